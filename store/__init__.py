@@ -1,0 +1,1 @@
+"""PostgreSQL: table metadata, migrations, the documented statements, roles and grants."""

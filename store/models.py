@@ -1,0 +1,130 @@
+"""Domain values shared by the store, the activities, the workflows and the starter.
+
+Pure pydantic: workflow code imports this module, so it must not import a database or network library.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from uuid import UUID
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Status(StrEnum):
+    QUEUED = "Queued"
+    RUNNING = "Running"
+    DELIVERING = "Delivering"
+    CANCELED = "Canceled"
+    REJECTED = "Rejected"
+    STOPPED = "Stopped"
+    FAILED = "Failed"
+    COMPLETED = "Completed"
+    OUTCOME_UNKNOWN = "OutcomeUnknown"
+
+    @property
+    def is_settled(self) -> bool:
+        """A state that needs no attempt: the export workflow returns it."""
+        return self not in (Status.QUEUED, Status.RUNNING, Status.DELIVERING)
+
+
+class FailureCode(StrEnum):
+    BUILD_FAILED = "BuildFailed"
+    ATTEMPTS_EXHAUSTED = "AttemptsExhausted"
+    NOT_DELIVERED = "NotDelivered"
+    FINAL_NAME_OCCUPIED = "FinalNameOccupied"
+    ORIGINAL_DELIVERED = "OriginalDelivered"
+
+
+class ClaimResult(StrEnum):
+    CLAIMED = "Claimed"
+    LOST = "Lost"
+    UNKNOWN = "Unknown"
+
+
+class AuthorizationResult(StrEnum):
+    AUTHORIZED = "Authorized"
+    STOP_RECORDED = "StopRecorded"
+    LEASE_LAPSED = "LeaseLapsed"
+    NOT_OWNER = "NotOwner"
+    ORIGINAL_COMPLETED = "OriginalCompleted"
+    UNKNOWN = "Unknown"
+
+
+class CancellationOutcome(StrEnum):
+    CANCELED_WHILE_QUEUED = "CanceledWhileQueued"
+    STOP_REQUESTED = "StopRequested"
+    STOP_ALREADY_REQUESTED = "StopAlreadyRequested"
+    ALREADY_CANCELED = "AlreadyCanceled"
+    ALREADY_ENDED = "AlreadyEnded"
+    TOO_LATE = "TooLate"
+    # Answers that record nothing.
+    NOT_FOUND = "NotFound"
+    REQUEST_ID_REUSED = "RequestIdReused"
+    BUSY = "Busy"
+
+
+class JobRow(BaseModel):
+    """The export_jobs row as read; the workflow's query returns the last one it read."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: UUID
+    tenant_id: UUID
+    status: Status
+    version: int
+    destination_id: UUID
+    attempt_id: UUID | None = None
+    attempt_count: int = 0
+    claimed_by: str | None = None
+    lease_expires_at: datetime | None = None
+    stop_request_id: UUID | None = None
+    cancellation_request_id: UUID | None = None
+    expected_file_name: str | None = None
+    expected_file_bytes: int | None = None
+    expected_file_sha256: bytes | None = None
+    delivery_authorized_at: datetime | None = None
+    woken_at: datetime
+    failure_reason: FailureCode | None = None
+    delivery_key: str
+    replaces_job_id: UUID | None = None
+    created_by: str
+    replacement_reason: str | None = None
+    overwrite_agreement_ref: str | None = None
+    sweep_count: int = 0
+
+    @property
+    def final_name(self) -> str:
+        return final_file_name(self.delivery_key)
+
+
+def final_file_name(delivery_key: str) -> str:
+    """The partner-facing name: a function of the delivery key, so every attempt and replacement agrees on it."""
+    return f"contacts-{delivery_key}.csv"
+
+
+class CancellationResult(BaseModel):
+    request_id: UUID
+    outcome: CancellationOutcome
+    job_id: UUID | None = None
+    found_status: Status | None = None
+    found_attempt_id: UUID | None = None
+    found_attempt_count: int | None = None
+
+    @property
+    def recorded(self) -> bool:
+        return self.outcome not in (
+            CancellationOutcome.NOT_FOUND,
+            CancellationOutcome.REQUEST_ID_REUSED,
+            CancellationOutcome.BUSY,
+        )
+
+
+class BuiltFile(BaseModel):
+    """A local file built for one attempt: what cutoff 2 records as the expected file."""
+
+    path: str
+    final_name: str
+    size: int
+    sha256_hex: str

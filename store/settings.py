@@ -1,0 +1,56 @@
+"""One settings class for every process, read from EXPORTS_* environment variables.
+
+Durations are settings so that tests run in seconds what production runs in minutes. `exports dev` writes the
+addresses of the local stack to `.exports/local.env`, so commands in another terminal find it.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+LOCAL_ENV_FILE = Path(".exports/local.env")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EXPORTS_", env_file=LOCAL_ENV_FILE, extra="ignore")
+
+    # One URL per database role (ARCHITECTURE.md, "Database roles are real").
+    database_url: str = Field("", description="application role: activities and the starter")
+    dispatcher_database_url: str = Field("", description="dispatcher role: reads the outbox, sets published_at")
+    reconciliation_database_url: str = Field("", description="reconciliation role: corrections")
+    owner_database_url: str = Field("", description="owner: migrations and role setup")
+
+    temporal_address: str = "127.0.0.1:7233"
+    temporal_namespace: str = "default"
+    task_queue: str = "exports"
+    worker_id: str = ""
+
+    lease_seconds: float = Field(60.0, gt=0)
+    renew_every_seconds: float = Field(20.0, gt=0)
+    max_attempts: int = Field(3, ge=1)
+    # The SDK sends heartbeats (and so learns of cancellation) at most this often; see FACTS.md.
+    heartbeat_throttle_seconds: float = Field(0.5, gt=0)
+    lock_timeout_ms: int = Field(2000, ge=1)
+    reread_timeout_seconds: float = Field(5.0, gt=0)
+    dispatcher_poll_seconds: float = Field(2.0, gt=0)
+    sweeper_threshold_seconds: float = Field(1800.0, gt=0)
+
+    work_dir: Path = Path(".exports/work")
+    # Pacing for demos and long-work tests; 0 means unthrottled.
+    build_throttle_bytes_per_second: int = Field(0, ge=0)
+    upload_throttle_bytes_per_second: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _renewal_fits_in_lease(self) -> Settings:
+        if self.renew_every_seconds >= self.lease_seconds:
+            raise ValueError("renew_every_seconds must be shorter than lease_seconds")
+        return self
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,19 @@
+-- Cutoff 2: Running -> Delivering for this attempt, only with no stop request and a current lease; for a
+-- replacement, also only while its original is not Completed. FOR SHARE makes a correction of the original and
+-- this statement wait for each other, whichever commits first.
+WITH original_open AS (
+    SELECT 1 FROM export_jobs
+    WHERE tenant_id = :tenant_id AND id = CAST(:replaces_job_id AS uuid) AND status <> 'Completed'
+    FOR SHARE),
+authorized AS (
+    UPDATE export_jobs
+    SET status = 'Delivering',
+        expected_file_name = :final_name, expected_file_bytes = :length, expected_file_sha256 = :sha256,
+        delivery_authorized_at = clock_timestamp()
+    WHERE id = :job_id AND attempt_id = :attempt_id AND status = 'Running'
+      AND stop_request_id IS NULL
+      AND lease_expires_at > clock_timestamp()
+      AND (CAST(:replaces_job_id AS uuid) IS NULL OR EXISTS (SELECT 1 FROM original_open))
+    RETURNING id, attempt_id, delivery_authorized_at)
+INSERT INTO export_attempt_events (job_id, attempt_id, kind, detail, recorded_at)
+SELECT id, attempt_id, 'DeliveryAuthorized', :final_name, delivery_authorized_at FROM authorized;

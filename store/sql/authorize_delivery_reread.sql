@@ -1,0 +1,7 @@
+-- Why cutoff 2 was refused, or whether an uncertain one committed: state and ownership read together.
+SELECT j.status, j.attempt_id, j.stop_request_id IS NOT NULL AS stop_recorded,
+       j.lease_expires_at > clock_timestamp() AS lease_current,
+       o.status AS original_status
+FROM export_jobs j
+LEFT JOIN export_jobs o ON o.tenant_id = j.tenant_id AND o.id = j.replaces_job_id
+WHERE j.id = :job_id;

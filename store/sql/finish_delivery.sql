@@ -1,0 +1,10 @@
+-- The attempt's terminal write after cutoff 2: Delivering -> Completed, Failed (with its code) or
+-- OutcomeUnknown, for this attempt only.
+WITH finished AS (
+    UPDATE export_jobs
+    SET status = :outcome, failure_reason = CAST(:failure_reason AS text), lease_expires_at = NULL
+    WHERE id = :job_id AND attempt_id = :attempt_id AND status = 'Delivering'
+      AND :outcome IN ('Completed', 'Failed', 'OutcomeUnknown')
+    RETURNING id, attempt_id, claimed_by, status)
+INSERT INTO export_attempt_events (job_id, attempt_id, kind, worker_id, detail, recorded_at)
+SELECT id, attempt_id, 'Finished', claimed_by, status || ': ' || :summary, clock_timestamp() FROM finished;

@@ -1,0 +1,1 @@
+SELECT pg_notify('exports_stop', :job_id);
