@@ -22,7 +22,7 @@ from store.models import (
     JobRow,
     Status,
 )
-from store.schema import destinations, export_jobs
+from store.schema import cancellation_requests, destinations, export_attempt_events, export_jobs
 from store.statements import statement
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,25 @@ class JobStore:
         async with self.engine.connect() as conn:
             row = (await conn.execute(query)).mappings().first()
         return dict(row) if row is not None else None
+
+    async def history(self, job_id: UUID) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The job's attempt events and cancellation requests, oldest first."""
+        async with self.engine.connect() as conn:
+            events = (
+                await conn.execute(
+                    select(export_attempt_events)
+                    .where(export_attempt_events.c.job_id == job_id)
+                    .order_by(export_attempt_events.c.id)
+                )
+            ).mappings().all()
+            requests = (
+                await conn.execute(
+                    select(cancellation_requests)
+                    .where(cancellation_requests.c.job_id == job_id)
+                    .order_by(cancellation_requests.c.recorded_at)
+                )
+            ).mappings().all()
+        return [dict(e) for e in events], [dict(r) for r in requests]
 
     async def _bounded_reread(self, name: str, **params: Any) -> dict[str, Any] | None:
         """Bounded, so an attempt never hangs here with the database unreachable. Raises on failure."""

@@ -7,9 +7,18 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
+from typing import Annotated, Any
 from uuid import UUID
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer
+
+
+def _bytes_from_hex(value: Any) -> Any:
+    return bytes.fromhex(value) if isinstance(value, str) else value
+
+
+# A SHA-256 digest: bytes in Python and in the database, hex in JSON (workflow histories, `exports show --json`).
+Digest = Annotated[bytes, BeforeValidator(_bytes_from_hex), PlainSerializer(bytes.hex, when_used="json")]
 
 
 class Status(StrEnum):
@@ -83,7 +92,7 @@ class JobRow(BaseModel):
     cancellation_request_id: UUID | None = None
     expected_file_name: str | None = None
     expected_file_bytes: int | None = None
-    expected_file_sha256: bytes | None = None
+    expected_file_sha256: Digest | None = None
     delivery_authorized_at: datetime | None = None
     woken_at: datetime
     failure_reason: FailureCode | None = None

@@ -1,0 +1,1 @@
+"""The steps of an export. They change a job only through store/."""

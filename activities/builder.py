@@ -1,0 +1,94 @@
+"""The builder: a tenant's contacts streamed to a local CSV with COPY, sized and hashed while it streams.
+
+Reversible work: a local file. Cancellation of the calling task propagates unwrapped and removes the partial
+file; every other failure is wrapped in BuildError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from uuid import UUID
+
+import asyncpg
+
+log = logging.getLogger(__name__)
+
+CONTACTS_QUERY = (
+    "SELECT id, email, first_name, last_name, phone, updated_at FROM contacts WHERE tenant_id = $1 ORDER BY id"
+)
+
+
+class BuildError(Exception):
+    """The build failed for a reason other than a stop; nothing has left the process."""
+
+
+class _HashingSink:
+    def __init__(self, handle, on_progress: Callable[[int], None], throttle_bytes_per_second: int) -> None:
+        self.handle = handle
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+        self.on_progress = on_progress
+        self.throttle = throttle_bytes_per_second
+        self.started = time.monotonic()
+
+    async def __call__(self, chunk: bytes) -> None:
+        self.handle.write(chunk)
+        self.sha256.update(chunk)
+        self.size += len(chunk)
+        self.on_progress(self.size)
+        if self.throttle:
+            ahead = self.size / self.throttle - (time.monotonic() - self.started)
+            if ahead > 0:
+                await asyncio.sleep(ahead)
+
+
+async def build_contacts_csv(
+    dsn: str,
+    tenant_id: UUID,
+    path: Path,
+    *,
+    on_progress: Callable[[int], None] = lambda size: None,
+    throttle_bytes_per_second: int = 0,
+) -> tuple[int, str]:
+    """Write the tenant's contacts to `path`; returns (bytes, sha256 hex)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn: asyncpg.Connection | None = None
+    finished = False
+    try:
+        conn = await asyncpg.connect(dsn)
+        with open(path, "wb") as handle:
+            sink = _HashingSink(handle, on_progress, throttle_bytes_per_second)
+            await conn.copy_from_query(CONTACTS_QUERY, tenant_id, output=sink, format="csv", header=True)
+            handle.flush()
+            os.fsync(handle.fileno())
+        finished = True
+        return sink.size, sink.sha256.hexdigest()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        raise BuildError(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        if conn is not None:
+            # A COPY abandoned midway leaves the connection unusable; terminate rather than wait on it.
+            if finished:
+                await conn.close()
+            else:
+                conn.terminate()
+        if not finished:
+            remove_local_file(path)
+
+
+def remove_local_file(path: Path | str) -> bool:
+    """Best effort, never raises. A failure is logged for the scavenger: it is contact data on disk."""
+    try:
+        Path(path).unlink(missing_ok=True)
+        return True
+    except OSError as exc:
+        log.error("could not remove local export file %s, leaving it for the scavenger: %s", path, exc)
+        return False

@@ -1,0 +1,119 @@
+"""Inputs and outputs of the export workflow, its signals and its activities: one model in, one model out.
+
+Pure pydantic, because workflow code imports this module.
+"""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+from pydantic import BaseModel, Field
+
+from store.models import (
+    AuthorizationResult,
+    BuiltFile,
+    CancellationResult,
+    ClaimResult,
+    FailureCode,
+    JobRow,
+    Status,
+)
+
+# Keep in step with the text columns they end up in; starter/ validates before anything is written.
+MAX_NAME = 200
+MAX_REASON = 2000
+
+
+class CreateExport(BaseModel):
+    """What a platform team supplies to create an export; the workflow's first activity runs the creation."""
+
+    job_id: UUID
+    tenant_id: UUID
+    destination_id: UUID
+    created_by: str = Field(min_length=1, max_length=MAX_NAME)
+    delivery_key: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class ExportInput(BaseModel):
+    job_id: UUID
+    create: CreateExport | None = None
+
+
+class ExportResult(BaseModel):
+    job_id: UUID
+    status: Status
+    failure_reason: FailureCode | None = None
+
+
+class Wake(BaseModel):
+    """The `wake` signal: one outbox row, published by the dispatcher. Retries of a row reuse its message ID."""
+
+    message_id: UUID
+
+
+class CancelRequest(BaseModel):
+    """The `cancel` signal's payload, from the CLI or sent raw from the Temporal UI or CLI."""
+
+    request_id: UUID
+    tenant_id: UUID
+    requested_by: str = Field(min_length=1, max_length=MAX_NAME)
+    reason: str | None = Field(default=None, max_length=MAX_REASON)
+
+
+class Evaluation(BaseModel):
+    """The row as read, and for a queued row the policy decision (a refused one is already written)."""
+
+    row: JobRow | None
+    allowed: bool = False
+    reason: str = ""
+
+
+class ClaimInput(BaseModel):
+    job_id: UUID
+    checked_version: int
+    attempt_id: UUID
+
+
+class ClaimOutput(BaseModel):
+    result: ClaimResult
+    # The claiming worker's own task queue: the build, cutoff 2 and the delivery of this attempt run there.
+    worker_task_queue: str
+    lease_seconds: float
+
+
+class AttemptInput(BaseModel):
+    job: JobRow
+    attempt_id: UUID
+
+
+class BuildOutput(BaseModel):
+    file: BuiltFile | None = None
+    # Why there is no file, when there is none: Stopped, BuildFailed, or LostOwnership.
+    ended: str | None = None
+
+
+class AuthorizeInput(BaseModel):
+    job: JobRow
+    attempt_id: UUID
+    file: BuiltFile
+
+
+class AuthorizeOutput(BaseModel):
+    result: AuthorizationResult
+
+
+class DeliverInput(BaseModel):
+    job: JobRow
+    attempt_id: UUID
+    file: BuiltFile
+
+
+class DeliverOutput(BaseModel):
+    outcome: Status
+    failure_reason: FailureCode | None = None
+    summary: str
+    written: bool
+
+
+class CancelOutput(BaseModel):
+    result: CancellationResult

@@ -1,0 +1,242 @@
+"""The export's activities. Built once per worker with its dependencies; each changes a job only through store/."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities import partner
+from activities.builder import BuildError, build_contacts_csv, remove_local_file
+from activities.contracts import (
+    AttemptInput,
+    AuthorizeInput,
+    AuthorizeOutput,
+    BuildOutput,
+    CancelOutput,
+    CancelRequest,
+    ClaimInput,
+    ClaimOutput,
+    CreateExport,
+    DeliverInput,
+    DeliverOutput,
+    Evaluation,
+)
+from activities.lease import LeaseKeeper
+from store import errors
+from store.db import asyncpg_dsn
+from store.jobs import JobStore
+from store.models import AuthorizationResult, BuiltFile, FailureCode, JobRow, Status
+from store.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def destination_config(row: dict[str, Any]) -> partner.DestinationConfig:
+    return partner.DestinationConfig(
+        host=row["host"],
+        port=row["port"],
+        username=row["username"],
+        final_dir=row["final_dir"],
+        temp_dir=row["temp_dir"],
+        host_key=row["host_key"],
+        credential_ref=row["credential_ref"],
+    )
+
+
+class ExportActivities:
+    def __init__(self, store: JobStore, settings: Settings, *, worker_id: str, worker_task_queue: str) -> None:
+        self.store = store
+        self.settings = settings
+        self.worker_id = worker_id
+        self.worker_task_queue = worker_task_queue
+
+    def all(self) -> list[Any]:
+        return [
+            self.create_export,
+            self.evaluate_policy,
+            self.read_export,
+            self.claim,
+            self.build,
+            self.authorize_delivery,
+            self.deliver,
+            self.record_cancellation,
+        ]
+
+    # --- shared task queue ------------------------------------------------------------------------------------
+
+    @activity.defn
+    async def create_export(self, request: CreateExport) -> None:
+        """The creation statement, for a platform team that starts the workflow directly. Idempotent: a retry
+        that finds its own job already created succeeds."""
+        try:
+            await self.store.create_job(
+                job_id=request.job_id,
+                tenant_id=request.tenant_id,
+                destination_id=request.destination_id,
+                delivery_key=request.delivery_key,
+                created_by=request.created_by,
+            )
+        except errors.JobAlreadyExists:
+            existing = await self.store.read_job(request.job_id, tenant_id=request.tenant_id)
+            if existing is None or existing.delivery_key != request.delivery_key:
+                raise ApplicationError("an export with this ID already exists", non_retryable=True) from None
+        except errors.ConstraintViolation as exc:
+            raise ApplicationError(str(exc), type=type(exc).__name__, non_retryable=True) from exc
+
+    @activity.defn
+    async def read_export(self, job_id: str) -> JobRow | None:
+        return await self.store.read_job(_uuid(job_id))
+
+    @activity.defn
+    async def evaluate_policy(self, job_id: str) -> Evaluation:
+        """Reads and decides; its only write is the conditional rejection, so a repeated wake-up is harmless."""
+        row = await self.store.read_job(_uuid(job_id))
+        if row is None or row.status is not Status.QUEUED:
+            return Evaluation(row=row)
+        destination = await self.store.read_destination(row.tenant_id, row.destination_id)
+        if destination is None:
+            reason = "the destination does not exist for this tenant"
+        elif not destination["enabled"]:
+            reason = f"destination {destination['name']!r} is disabled"
+        else:
+            return Evaluation(row=row, allowed=True)
+        if await self.store.reject(row.id, row.version):
+            log.info("export %s rejected at version %s: %s", row.id, row.version, reason)
+        return Evaluation(row=await self.store.read_job(row.id), reason=reason)
+
+    @activity.defn
+    async def claim(self, request: ClaimInput) -> ClaimOutput:
+        result = await self.store.claim(request.job_id, request.checked_version, request.attempt_id, self.worker_id)
+        return ClaimOutput(
+            result=result, worker_task_queue=self.worker_task_queue, lease_seconds=self.settings.lease_seconds
+        )
+
+    @activity.defn
+    async def record_cancellation(self, request: CancelRequest) -> CancelOutput:
+        job_id = _uuid(activity.info().workflow_id.removeprefix("export-"))
+        result = await self.store.request_cancellation(
+            tenant_id=request.tenant_id,
+            job_id=job_id,
+            request_id=request.request_id,
+            requested_by=request.requested_by,
+            reason=request.reason,
+        )
+        return CancelOutput(result=result)
+
+    # --- the claiming worker's own task queue -----------------------------------------------------------------
+
+    def _keeper(self, request: AttemptInput | DeliverInput, **kwargs: Any) -> LeaseKeeper:
+        return LeaseKeeper(
+            self.store,
+            request.job.id,
+            request.attempt_id,
+            renew_every=self.settings.renew_every_seconds,
+            heartbeat_every=self.settings.heartbeat_throttle_seconds,
+            **kwargs,
+        )
+
+    @activity.defn
+    async def build(self, request: AttemptInput) -> BuildOutput:
+        job, attempt_id = request.job, request.attempt_id
+        path = Path(self.settings.work_dir) / f"{job.id}-{attempt_id}.csv"
+        progress = {"bytes": 0}
+        build_task = asyncio.current_task()
+        lost = asyncio.Event()
+
+        def on_lost() -> None:
+            lost.set()
+            if build_task is not None:
+                build_task.cancel()
+
+        async with self._keeper(request, on_lost=on_lost, details=lambda: dict(progress)) as lease:
+            try:
+                size, sha256_hex = await build_contacts_csv(
+                    asyncpg_dsn(self.settings.database_url),
+                    job.tenant_id,
+                    path,
+                    on_progress=lambda size: progress.update(bytes=size),
+                    throttle_bytes_per_second=self.settings.build_throttle_bytes_per_second,
+                )
+            except asyncio.CancelledError:
+                await lease.finish()
+                if lost.is_set():
+                    return BuildOutput(ended="LostOwnership")  # write nothing: another attempt owns the row
+                # A stop request, a terminated workflow or a shutdown: only a recorded stop request is a Stop.
+                stopped = await self.store.finish_stopped(job.id, attempt_id, "WhileBuilding")
+                if stopped:
+                    return BuildOutput(ended="Stopped")
+                raise
+            except BuildError as exc:
+                await self.store.finish_failed(job.id, attempt_id, FailureCode.BUILD_FAILED, str(exc))
+                await lease.finish()
+                return BuildOutput(ended="BuildFailed")
+        return BuildOutput(file=BuiltFile(path=str(path), final_name=job.final_name, size=size, sha256_hex=sha256_hex))
+
+    @activity.defn
+    async def authorize_delivery(self, request: AuthorizeInput) -> AuthorizeOutput:
+        """Cutoff 2, and what its refusal means. The file is removed unless delivery was authorized."""
+        job, attempt_id, file = request.job, request.attempt_id, request.file
+        result = await self.store.authorize_delivery(job, attempt_id, file)
+        if result is AuthorizationResult.LEASE_LAPSED and await self.store.renew_lease(job.id, attempt_id):
+            # Still the owner, only late: the renewal succeeds only if no takeover committed. Retry once.
+            result = await self.store.authorize_delivery(job, attempt_id, file)
+        if result is AuthorizationResult.STOP_RECORDED:
+            await self.store.finish_stopped(job.id, attempt_id, "BeforeDelivery")
+        elif result is AuthorizationResult.ORIGINAL_COMPLETED:
+            await self.store.finish_failed(job.id, attempt_id, FailureCode.ORIGINAL_DELIVERED)
+        # LeaseLapsed again, NotOwner or Unknown: write nothing to the row; recovery takes it from there.
+        if result is not AuthorizationResult.AUTHORIZED:
+            remove_local_file(file.path)
+        return AuthorizeOutput(result=result)
+
+    @activity.defn
+    async def deliver(self, request: DeliverInput) -> DeliverOutput:
+        """Past the point of no return: stop requests are recorded, not obeyed, and a lost lease does not stop
+        the upload. Evidence first, then the conditional terminal write for this attempt only."""
+        job, attempt_id, file = request.job, request.attempt_id, request.file
+        destination = await self.store.read_destination(job.tenant_id, job.destination_id)
+        progress = {"sent": 0, "total": file.size}
+        observed_by = f"{self.worker_id}/{attempt_id}"
+
+        async def record_evidence(detail: dict[str, Any]) -> None:
+            await self.store.append_evidence(job.id, attempt_id, observed_by, detail)
+
+        try:
+            async with self._keeper(request, details=lambda: dict(progress)) as lease:
+                if destination is None:
+                    result = partner.DeliveryResult(
+                        outcome="Failed", failure_reason="NotDelivered", summary="destination vanished before upload"
+                    )
+                else:
+                    result = await partner.deliver(
+                        destination_config(destination),
+                        file.path,
+                        file.final_name,
+                        f".{file.final_name}.{attempt_id}.part",
+                        record_evidence=record_evidence,
+                        on_progress=lambda sent, total: progress.update(sent=sent),
+                        throttle_bytes_per_second=self.settings.upload_throttle_bytes_per_second,
+                    )
+                outcome = Status(result.outcome)
+                failure = FailureCode(result.failure_reason) if result.failure_reason else None
+                written = await self.store.finish_delivery(job.id, attempt_id, outcome, failure, result.summary)
+                await lease.finish()
+        finally:
+            remove_local_file(file.path)
+        if not written:
+            log.warning("terminal write of %s attempt %s matched nothing; recovery reconciles from evidence",
+                        job.id, attempt_id)
+        return DeliverOutput(outcome=outcome, failure_reason=failure, summary=result.summary, written=written)
+
+
+def _uuid(value: str) -> UUID:
+    try:
+        return UUID(str(value))
+    except ValueError:
+        raise ApplicationError(f"not an export ID: {value!r}", non_retryable=True) from None

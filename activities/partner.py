@@ -1,0 +1,442 @@
+"""The partner client: one delivery of a local file to a partner's SFTP server, and the classification of its
+failures into what is known about the partner's side.
+
+The partner processes whatever appears under its final directory, so the file is written under a temporary
+name that the partner ignores and then moved into place with the SFTP v3 `rename`, which refuses to replace an
+existing name. That rename is the one irreversible step: everything before it can be proven undelivered by a
+fresh listing, everything from it on can only be proven delivered by a listing that confirms it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import posixpath
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+import asyncssh
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger(__name__)
+
+# Bounds for the work done after a failure: a fresh listing, then removing the temporary file.
+AFTER_FAILURE_TIMEOUT_SECONDS = 10.0
+
+# Where a delivery was when it failed; see `classify`.
+Step = Literal["connect", "baseline", "upload", "rename", "confirm"]
+_NOTHING_WRITTEN_YET: frozenset[str] = frozenset({"connect", "baseline"})
+
+# A rename refused by the server with a status reply: the request was processed and not carried out. SFTP v3
+# reports "name exists" as a plain failure; v5+ has its own code. SFTPConnectionLost is deliberately absent:
+# it is an SFTPError the client makes up itself when the channel dies, and says nothing about what the server
+# did.
+_RENAME_REFUSED = (asyncssh.SFTPFailure, asyncssh.SFTPFileAlreadyExists)
+
+# What a delivery catches and classifies. Exception, not a list of transport errors: an unexpected error
+# in the middle of an upload leaves the partner side just as uncertain, and the caller still needs an outcome.
+_CAUGHT = (Exception, asyncio.CancelledError)
+
+
+class DestinationConfig(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    host: str
+    port: int = Field(ge=1, le=65535)
+    username: str
+    final_dir: str
+    temp_dir: str
+    host_key: str
+    credential_ref: str
+
+    @model_validator(mode="after")
+    def _temp_dir_is_not_final_dir(self) -> DestinationConfig:
+        # The partner processes everything in final_dir: a temporary file there could be taken half-written.
+        if posixpath.normpath(self.final_dir) == posixpath.normpath(self.temp_dir):
+            raise ValueError("temp_dir must differ from final_dir")
+        return self
+
+
+class RemoteFile(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    path: str
+    exists: bool
+    size: int | None = None
+    mtime: int | None = None
+
+
+class DeliveryResult(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    outcome: Literal["Completed", "Failed", "OutcomeUnknown"]
+    failure_reason: Literal["NotDelivered", "FinalNameOccupied"] | None = None
+    summary: str
+    receipt: RemoteFile | None = None
+
+
+class HostKeyMismatch(Exception):
+    """The server presented a host key other than the pinned one."""
+
+
+class UploadIncomplete(Exception):
+    """The temporary file does not hold exactly the bytes of the local file, so it must not be renamed."""
+
+
+def load_client_key(credential_ref: str) -> asyncssh.SSHKey:
+    """The client's private key from "file:<path>" or "env:<VARNAME>". Errors never include the key text."""
+    scheme, _, rest = credential_ref.partition(":")
+    if scheme == "file" and rest:
+        return asyncssh.read_private_key(rest)
+    if scheme == "env" and rest:
+        text = os.environ.get(rest)
+        if not text:
+            raise ValueError(f"credential_ref names environment variable {rest!r}, which is unset or empty")
+        return asyncssh.import_private_key(text)
+    raise ValueError(
+        f"unsupported credential_ref scheme {scheme!r}: expected 'file:<path>' or 'env:<VARNAME>'"
+    )
+
+
+def _pinned_host_key(line: str) -> asyncssh.SSHKey:
+    try:
+        return asyncssh.import_public_key(line.strip())
+    except (asyncssh.KeyImportError, ValueError) as exc:
+        raise ValueError("destination host_key is not a valid OpenSSH public key line") from exc
+
+
+@asynccontextmanager
+async def connect(
+    dest: DestinationConfig, *, connect_timeout: float = 10.0
+) -> AsyncIterator[asyncssh.SFTPClient]:
+    """An SFTP session with the partner, whose host key must be exactly `dest.host_key`.
+
+    Raises HostKeyMismatch for any other key, ValueError for a bad credential_ref or host_key, asyncssh.Error
+    or OSError (including TimeoutError) when the server cannot be reached within `connect_timeout`.
+    """
+    client_key = load_client_key(dest.credential_ref)
+    pinned = _pinned_host_key(dest.host_key)
+    logger.info("connecting to partner %s:%d as %s", dest.host, dest.port, dest.username)
+    try:
+        conn = await asyncssh.connect(
+            dest.host,
+            dest.port,
+            username=dest.username,
+            # The pinned key is the only trusted one: no CA keys, no known_hosts file, no X.509 chains.
+            known_hosts=([pinned], [], []),
+            x509_trusted_certs=None,
+            client_keys=[client_key],
+            # Nothing from the machine's environment takes part: no ~/.ssh/config, agent, GSS or passwords.
+            config=[],
+            agent_path=None,
+            gss_host=None,
+            password_auth=False,
+            kbdint_auth=False,
+            preferred_auth="publickey",
+            connect_timeout=connect_timeout,
+        )
+    except asyncssh.HostKeyNotVerifiable as exc:
+        raise HostKeyMismatch(
+            f"host key of {dest.host}:{dest.port} does not match the pinned key ({pinned.get_algorithm()})"
+        ) from exc
+    except asyncssh.KeyExchangeFailed as exc:
+        # Only the pinned key's algorithms are offered, so a server without a key of that type fails the key
+        # exchange instead ("Unable to find compatible server host key"): it cannot present the pinned key
+        # either.
+        if "host key" in str(exc).lower():
+            raise HostKeyMismatch(
+                f"{dest.host}:{dest.port} has no host key of the pinned type ({pinned.get_algorithm()})"
+            ) from exc
+        raise
+    try:
+        async with asyncio.timeout(connect_timeout):
+            sftp = await conn.start_sftp_client()
+        try:
+            yield sftp
+        finally:
+            sftp.exit()
+    finally:
+        conn.close()
+        try:
+            async with asyncio.timeout(connect_timeout):
+                await conn.wait_closed()
+        except (asyncssh.Error, OSError) as exc:
+            # The session's work is done or already failed; a slow goodbye changes nothing.
+            logger.debug("closing the connection to %s:%d: %s", dest.host, dest.port, exc)
+
+
+async def _listing(sftp: asyncssh.SFTPClient, path: str) -> RemoteFile:
+    try:
+        attrs = await sftp.stat(path)
+    except asyncssh.SFTPNoSuchFile:
+        return RemoteFile(path=path, exists=False)
+    return RemoteFile(path=path, exists=True, size=attrs.size, mtime=attrs.mtime)
+
+
+def _describe(exc: BaseException) -> str:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text[:300]
+
+
+async def _record(
+    record_evidence: Callable[[dict[str, Any]], Awaitable[None]], record: dict[str, Any]
+) -> None:
+    """Append evidence; a failed write is logged, never allowed to change what happens at the partner.
+
+    CancelledError propagates: before the rename it must stop the delivery like any other cancellation.
+    """
+    try:
+        await record_evidence(record)
+    except Exception:
+        logger.exception("could not record delivery evidence (step %s)", record.get("step"))
+
+
+async def _record_quietly(
+    record_evidence: Callable[[dict[str, Any]], Awaitable[None]], record: dict[str, Any]
+) -> None:
+    """Append evidence once the outcome is decided: not even a cancellation may lose the outcome."""
+    try:
+        await _record(record_evidence, record)
+    except asyncio.CancelledError:
+        logger.warning("cancelled while recording delivery evidence (step %s); returning the outcome anyway",
+                       record.get("step"))
+
+
+async def _upload(
+    sftp: asyncssh.SFTPClient,
+    local_path: str,
+    temp_path: str,
+    total: int,
+    *,
+    chunk_size: int,
+    throttle_bytes_per_second: int,
+    on_progress: Callable[[int, int], None] | None,
+    operation_timeout: float,
+) -> None:
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    sent = 0
+    async with asyncio.timeout(operation_timeout):
+        # "wb" truncates: a temporary file left by an earlier attempt under the same name is simply replaced.
+        remote = await sftp.open(temp_path, "wb")
+    # On failure the handle is not closed here: closing the connection releases it.
+    # Local reads are small and blocking; a thread per chunk would cost more than the read.
+    with open(local_path, "rb") as local:
+        while chunk := local.read(chunk_size):
+            async with asyncio.timeout(operation_timeout):
+                await remote.write(chunk, sent)
+            sent += len(chunk)
+            if on_progress is not None:
+                on_progress(sent, total)
+            if throttle_bytes_per_second > 0:
+                # Sleep off any lead over the allowed average rate since the start of the upload.
+                ahead = sent / throttle_bytes_per_second - (loop.time() - started)
+                if ahead > 0:
+                    await asyncio.sleep(ahead)
+    async with asyncio.timeout(operation_timeout):
+        await remote.close()
+        attrs = await sftp.stat(temp_path)
+    # The rename publishes whatever the temporary file holds, so it must be exactly the measured file.
+    if sent != total or attrs.size != total:
+        raise UploadIncomplete(f"expected {total} bytes, sent {sent}, temporary file holds {attrs.size}")
+
+
+def classify(exc: BaseException, step: Step, fresh_listing: RemoteFile | None) -> DeliveryResult:
+    """What a failed delivery means at the partner, from where it failed and a listing taken afterwards.
+
+    `step` is where the delivery was: "connect" and "baseline" come before anything is written; "upload"
+    ends just before the rename request is sent; "rename" lasts until the server answers it; "confirm" is the
+    listing after an acknowledged rename. `fresh_listing` is the final name as listed on a new connection
+    after the failure, or None when that listing could not be taken. The baseline is always "absent": a
+    present final name never gets past the baseline.
+
+    - connect/baseline: Failed/NotDelivered. No upload was started, so nothing can be at the partner.
+    - upload: Failed/NotDelivered if the fresh listing still shows the final name absent: no rename was sent,
+      and the temporary directory is invisible to the partner. A present final name was not put there by this
+      delivery, but it is unexplained, so OutcomeUnknown.
+    - rename refused by the server (an SFTP status reply, e.g. the name appeared after the baseline):
+      Failed/NotDelivered only if the fresh listing still shows the final name absent, else OutcomeUnknown.
+    - everything else is OutcomeUnknown: no fresh listing; a rename interrupted (timeout, lost connection,
+      cancellation), because the server may have carried it out and the partner may already have taken
+      the file; a failure after an acknowledged rename, which is left to a person to confirm.
+    """
+    error = _describe(exc)
+    if step in _NOTHING_WRITTEN_YET:
+        return DeliveryResult(
+            outcome="Failed", failure_reason="NotDelivered",
+            summary=f"not delivered: {step} failed before any upload started ({error})",
+        )
+    if fresh_listing is None:
+        return DeliveryResult(
+            outcome="OutcomeUnknown",
+            summary=f"outcome unknown: {step} failed ({error}) and the final name could not be listed again",
+        )
+    if not fresh_listing.exists:
+        if step == "upload":
+            return DeliveryResult(
+                outcome="Failed", failure_reason="NotDelivered",
+                summary=f"not delivered: upload failed before the rename was sent ({error}); "
+                        "final name still absent",
+            )
+        if step == "rename" and isinstance(exc, _RENAME_REFUSED):
+            return DeliveryResult(
+                outcome="Failed", failure_reason="NotDelivered",
+                summary=f"not delivered: the server refused the rename ({error}); final name still absent",
+            )
+        return DeliveryResult(
+            outcome="OutcomeUnknown",
+            summary=f"outcome unknown: {step} failed ({error}); final name absent, "
+                    "but the partner may have taken it",
+        )
+    return DeliveryResult(
+        outcome="OutcomeUnknown",
+        summary=f"outcome unknown: {step} failed ({error}); final name now holds {fresh_listing.size} bytes "
+                "that cannot be proven to be this delivery's",
+    )
+
+
+async def _fresh_listing_and_cleanup(
+    dest: DestinationConfig, final_path: str, temp_path: str, timeout: float
+) -> tuple[RemoteFile | None, str | None]:
+    """List the final name on a new connection, then remove the temporary file over the same connection.
+
+    The listing and the removal are bounded by `timeout` each. Returns the listing (None if it could not be
+    taken) and why it could not. Errors and cancellation are absorbed: see `deliver`.
+    """
+    listing: RemoteFile | None = None
+    try:
+        async with asyncio.timeout(timeout) as deadline:
+            async with connect(dest, connect_timeout=timeout) as sftp:
+                listing = await _listing(sftp, final_path)
+                deadline.reschedule(asyncio.get_running_loop().time() + timeout)
+                try:
+                    await sftp.remove(temp_path)
+                except asyncssh.SFTPNoSuchFile:
+                    pass  # Never created, or already renamed into place.
+    except _CAUGHT as exc:
+        if listing is None:
+            logger.warning("fresh listing of %s on %s failed: %s", final_path, dest.host, _describe(exc))
+            return None, _describe(exc)
+        logger.warning("could not remove temporary file %s on %s: %s", temp_path, dest.host, _describe(exc))
+    return listing, None
+
+
+async def deliver(
+    dest: DestinationConfig,
+    local_path: str,
+    final_name: str,
+    temp_name: str,
+    *,
+    record_evidence: Callable[[dict[str, Any]], Awaitable[None]],
+    on_progress: Callable[[int, int], None] | None = None,
+    throttle_bytes_per_second: int = 0,
+    chunk_size: int = 64 * 1024,
+    operation_timeout: float = 60.0,
+    after_failure_timeout: float = AFTER_FAILURE_TIMEOUT_SECONDS,
+) -> DeliveryResult:
+    """Upload `local_path` to `temp_dir/temp_name`, then rename it to `final_dir/final_name` (no overwrite).
+
+    Always returns a DeliveryResult, never raises for what happens at the partner, and never re-raises
+    asyncio.CancelledError: a cancelled delivery is classified like any other failure, because the caller must
+    still record the outcome. The task's cancellation request stays counted (Task.cancelling()), so the caller
+    can tell.
+
+    Each SFTP request is bounded by `operation_timeout`; the fresh listing and the cleanup after a failure by
+    `after_failure_timeout` each. Raises ValueError only for names that are not plain file names.
+    """
+    for name in (final_name, temp_name):
+        if not name or "/" in name or name in (".", ".."):
+            raise ValueError(f"not a plain file name: {name!r}")
+    final_path = posixpath.join(dest.final_dir, final_name)
+    temp_path = posixpath.join(dest.temp_dir, temp_name)
+    step: Step = "connect"
+    receipt: RemoteFile | None = None
+    occupied: DeliveryResult | None = None
+    total = 0
+    try:
+        total = os.path.getsize(local_path)
+        async with connect(dest) as sftp:
+            step = "baseline"
+            async with asyncio.timeout(operation_timeout):
+                baseline = await _listing(sftp, final_path)
+            await _record(record_evidence, {"step": "baseline", "final": baseline.model_dump()})
+            if baseline.exists:
+                # Someone else's file (or an earlier delivery's): never touch it, and write nothing at all.
+                occupied = DeliveryResult(
+                    outcome="Failed", failure_reason="FinalNameOccupied",
+                    summary=f"not delivered: {final_name} already exists at the partner "
+                            f"({baseline.size} bytes)",
+                )
+                logger.warning("final name %s on %s is occupied; nothing uploaded", final_path, dest.host)
+                await _record(record_evidence, {"step": "decision", "decision": "FinalNameOccupied",
+                                                "final": baseline.model_dump()})
+                return occupied
+            step = "upload"
+            await _upload(
+                sftp, local_path, temp_path, total, chunk_size=chunk_size,
+                throttle_bytes_per_second=throttle_bytes_per_second, on_progress=on_progress,
+                operation_timeout=operation_timeout,
+            )
+            await _record(record_evidence, {"step": "rename", "temp": temp_path, "final": final_path,
+                                            "bytes": total})
+            step = "rename"
+            async with asyncio.timeout(operation_timeout):
+                # SFTP v3 rename fails if the final name exists; posix_rename would overwrite. Never use it.
+                await sftp.rename(temp_path, final_path)
+            step = "confirm"
+            async with asyncio.timeout(operation_timeout):
+                receipt = await _listing(sftp, final_path)
+    except _CAUGHT as exc:
+        if occupied is not None:
+            return occupied  # The decision was made before the failure (recording it or closing).
+        if receipt is None:
+            return await _after_failure(exc, step, dest, final_path, temp_path, record_evidence,
+                                        after_failure_timeout)
+        # Only closing the connection failed; the receipt was already taken and stands.
+        logger.warning("closing the connection after delivering %s failed: %s", final_path, _describe(exc))
+
+    await _record_quietly(record_evidence, {"step": "receipt", "final": receipt.model_dump(),
+                                            "expected_bytes": total})
+    if receipt.exists and receipt.size == total:
+        logger.info("delivered %s to %s, %d bytes", final_path, dest.host, total)
+        return DeliveryResult(
+            outcome="Completed",
+            summary=f"uploaded {final_name}, {total} bytes, confirmed by size",
+            receipt=receipt,
+        )
+    logger.warning("rename of %s acknowledged but the listing shows %s", final_path, receipt.model_dump())
+    found = f"{receipt.size} bytes" if receipt.exists else "no file"
+    return DeliveryResult(
+        outcome="OutcomeUnknown",
+        summary=f"outcome unknown: rename of {final_name} acknowledged, but the final name holds {found}, "
+                f"expected {total} bytes",
+    )
+
+
+async def _after_failure(
+    exc: BaseException,
+    step: Step,
+    dest: DestinationConfig,
+    final_path: str,
+    temp_path: str,
+    record_evidence: Callable[[dict[str, Any]], Awaitable[None]],
+    timeout: float,
+) -> DeliveryResult:
+    logger.warning("delivery of %s to %s failed at step %s: %s", final_path, dest.host, step, _describe(exc))
+    if step in _NOTHING_WRITTEN_YET:
+        result = classify(exc, step, None)
+        await _record_quietly(record_evidence, {
+            "step": "failure", "failed_step": step, "error": _describe(exc),
+            "outcome": result.outcome, "failure_reason": result.failure_reason,
+        })
+        return result
+    listing, listing_error = await _fresh_listing_and_cleanup(dest, final_path, temp_path, timeout)
+    result = classify(exc, step, listing)
+    await _record_quietly(record_evidence, {
+        "step": "fresh_listing", "failed_step": step, "error": _describe(exc),
+        "final": listing.model_dump() if listing is not None else None, "listing_error": listing_error,
+        "outcome": result.outcome, "failure_reason": result.failure_reason,
+    })
+    return result

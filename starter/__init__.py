@@ -1,0 +1,1 @@
+"""The client library and the `exports` command line."""

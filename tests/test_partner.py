@@ -1,0 +1,222 @@
+"""The partner client against a real in-process SFTP server: deliveries, refusals and faults at each step."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import asyncssh
+import pytest
+
+from activities.partner import HostKeyMismatch, RemoteFile, classify, connect, deliver, load_client_key
+from starter.localstack.partner import LocalPartner
+from tests.partner_support import Evidence, bounded, make_file, write_as_other_party
+
+CHUNK = 16 * 1024
+
+
+@pytest.fixture
+async def partner(tmp_path: Path):
+    p = LocalPartner(tmp_path / "partner")
+    await bounded(p.start())
+    yield p
+    await bounded(p.stop())
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> tuple[Path, bytes]:
+    path = tmp_path / "contacts.csv"
+    return path, make_file(path, 10 * CHUNK + 123)
+
+
+def listdir(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir())
+
+
+async def test_delivery_completes_byte_for_byte(partner: LocalPartner, local: tuple[Path, bytes]) -> None:
+    path, data = local
+    evidence, progress = Evidence(), []
+    result = await bounded(deliver(partner.destination(), str(path), "contacts-k.csv", "k.part",
+                                   record_evidence=evidence, on_progress=lambda s, t: progress.append((s, t)),
+                                   chunk_size=CHUNK))
+    assert result.outcome == "Completed" and result.failure_reason is None
+    assert result.receipt == RemoteFile(path="/outbound/contacts-k.csv", exists=True, size=len(data),
+                                        mtime=result.receipt.mtime)
+    assert (partner.final_dir / "contacts-k.csv").read_bytes() == data
+    assert listdir(partner.temp_dir) == []
+    assert len(progress) == 11 and progress[-1] == (len(data), len(data))
+    assert evidence.steps == ["baseline", "rename", "receipt"]
+    assert evidence.first("baseline")["final"] == {"path": "/outbound/contacts-k.csv", "exists": False,
+                                                   "size": None, "mtime": None}
+    assert evidence.first("receipt")["expected_bytes"] == len(data)
+
+
+async def test_occupied_final_name_uploads_nothing(partner: LocalPartner, local: tuple[Path, bytes]) -> None:
+    theirs = b"someone else's file\n"
+    (partner.final_dir / "contacts-k.csv").write_bytes(theirs)
+    writes: list[tuple[str, int]] = []
+
+    async def on_write(p: str, offset: int) -> None:
+        writes.append((p, offset))
+
+    partner.hooks.on_write = on_write
+    evidence = Evidence()
+    result = await bounded(deliver(partner.destination(), str(local[0]), "contacts-k.csv", "k.part",
+                                   record_evidence=evidence))
+    assert (result.outcome, result.failure_reason) == ("Failed", "FinalNameOccupied")
+    assert (partner.final_dir / "contacts-k.csv").read_bytes() == theirs
+    assert writes == [] and listdir(partner.temp_dir) == []
+    assert evidence.steps == ["baseline", "decision"]
+    assert evidence.first("baseline")["final"]["size"] == len(theirs)
+
+
+async def test_wrong_host_key_refuses_to_connect(partner: LocalPartner, local: tuple[Path, bytes]) -> None:
+    impostor = asyncssh.generate_private_key("ssh-ed25519").export_public_key().decode().strip()
+    dest = partner.destination(host_key=impostor)
+    other_type = asyncssh.generate_private_key("ecdsa-sha2-nistp256").export_public_key().decode()
+    for wrong in (dest, partner.destination(host_key=other_type)):
+        with pytest.raises(HostKeyMismatch):
+            async with connect(wrong, connect_timeout=10):
+                pass
+    evidence = Evidence()
+    result = await bounded(deliver(dest, str(local[0]), "contacts-k.csv", "k.part", record_evidence=evidence))
+    assert (result.outcome, result.failure_reason) == ("Failed", "NotDelivered")
+    assert "HostKeyMismatch" in result.summary
+    assert evidence.steps == ["failure"]
+    assert listdir(partner.final_dir) == [] and listdir(partner.temp_dir) == []
+
+
+async def test_connection_closed_mid_transfer_is_not_delivered(
+    partner: LocalPartner, local: tuple[Path, bytes]
+) -> None:
+    async def drop_on_third_chunk(p: str, offset: int) -> None:
+        if offset >= 2 * CHUNK:
+            partner.hooks.on_write = None  # once
+            partner.close_connections()
+
+    partner.hooks.on_write = drop_on_third_chunk
+    evidence = Evidence()
+    result = await bounded(deliver(partner.destination(), str(local[0]), "contacts-k.csv", "k.part",
+                                   record_evidence=evidence, chunk_size=CHUNK))
+    assert (result.outcome, result.failure_reason) == ("Failed", "NotDelivered"), result.summary
+    assert listdir(partner.final_dir) == []
+    assert listdir(partner.temp_dir) == []  # removed over a fresh connection
+    assert evidence.steps == ["baseline", "fresh_listing"]
+    assert evidence.first("fresh_listing")["failed_step"] == "upload"
+    assert evidence.first("fresh_listing")["final"]["exists"] is False
+
+
+async def test_file_appearing_before_rename_is_never_overwritten(
+    partner: LocalPartner, local: tuple[Path, bytes]
+) -> None:
+    theirs = b"written by a second client between listing and rename\n"
+    dest = partner.destination()
+
+    async def second_client_writes(old: str, new: str) -> None:
+        partner.hooks.before_rename = None
+        await bounded(write_as_other_party(dest, new, theirs))
+
+    partner.hooks.before_rename = second_client_writes
+    evidence = Evidence()
+    result = await bounded(deliver(dest, str(local[0]), "contacts-k.csv", "k.part", record_evidence=evidence))
+    assert result.outcome == "OutcomeUnknown" and result.failure_reason is None, result.summary
+    assert (partner.final_dir / "contacts-k.csv").read_bytes() == theirs
+    assert listdir(partner.temp_dir) == []
+    assert evidence.steps == ["baseline", "rename", "fresh_listing"]
+    fresh = evidence.first("fresh_listing")
+    assert fresh["failed_step"] == "rename" and "SFTPFailure" in fresh["error"]
+    assert fresh["final"]["size"] == len(theirs)
+
+
+async def test_connection_closed_after_rename_is_outcome_unknown(
+    partner: LocalPartner, local: tuple[Path, bytes]
+) -> None:
+    async def drop(old: str, new: str) -> None:
+        partner.close_connections()
+
+    partner.hooks.after_rename = drop
+    evidence = Evidence()
+    result = await bounded(deliver(partner.destination(), str(local[0]), "contacts-k.csv", "k.part",
+                                   record_evidence=evidence))
+    assert result.outcome == "OutcomeUnknown" and result.receipt is None, result.summary
+    # It did arrive; only a person (or a later reconciliation) may say so.
+    assert (partner.final_dir / "contacts-k.csv").read_bytes() == local[1]
+    assert listdir(partner.temp_dir) == []
+    assert evidence.steps == ["baseline", "rename", "fresh_listing"]
+    assert evidence.first("fresh_listing")["final"]["exists"] is True
+
+
+async def test_cancelled_upload_is_classified_not_raised(
+    partner: LocalPartner, local: tuple[Path, bytes]
+) -> None:
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def stall(p: str, offset: int) -> None:
+        if offset >= CHUNK:
+            entered.set()
+            await bounded(release.wait())
+
+    partner.hooks.on_write = stall
+    evidence = Evidence()
+    task = asyncio.create_task(deliver(partner.destination(), str(local[0]), "contacts-k.csv", "k.part",
+                                       record_evidence=evidence, chunk_size=CHUNK))
+    try:
+        await bounded(entered.wait())
+        task.cancel()
+        result = await bounded(task)
+    finally:
+        release.set()
+    assert (result.outcome, result.failure_reason) == ("Failed", "NotDelivered"), result.summary
+    assert "CancelledError" in result.summary
+    assert evidence.steps == ["baseline", "fresh_listing"]
+    assert listdir(partner.final_dir) == []
+
+
+async def test_evidence_failures_do_not_change_the_outcome(
+    partner: LocalPartner, local: tuple[Path, bytes]
+) -> None:
+    evidence = Evidence(fail=True)
+    result = await bounded(deliver(partner.destination(), str(local[0]), "contacts-k.csv", "k.part",
+                                   record_evidence=evidence))
+    assert result.outcome == "Completed"
+    assert evidence.steps == ["baseline", "rename", "receipt"]
+
+
+async def test_throttle_limits_the_average_rate(partner: LocalPartner, tmp_path: Path) -> None:
+    path = tmp_path / "small.csv"
+    make_file(path, 4 * CHUNK)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    result = await bounded(deliver(partner.destination(), str(path), "small.csv", "small.part",
+                                   record_evidence=Evidence(), chunk_size=CHUNK,
+                                   throttle_bytes_per_second=8 * CHUNK))
+    assert result.outcome == "Completed"
+    assert loop.time() - started >= 0.45
+
+
+def test_credential_ref_schemes(partner: LocalPartner, monkeypatch: pytest.MonkeyPatch) -> None:
+    key = load_client_key(f"file:{partner.client_key_path}")
+    monkeypatch.setenv("PARTNER_KEY_TEST", key.export_private_key().decode())
+    assert load_client_key("env:PARTNER_KEY_TEST").public_data == key.public_data
+    with pytest.raises(ValueError, match="unsupported credential_ref scheme"):
+        load_client_key("vault:secret/partner")
+
+
+@pytest.mark.parametrize(
+    ("exc", "step", "exists", "expected"),
+    [
+        (OSError("refused"), "connect", None, "NotDelivered"),
+        (asyncssh.ConnectionLost("lost"), "upload", False, "NotDelivered"),
+        (asyncssh.ConnectionLost("lost"), "upload", None, "OutcomeUnknown"),
+        (asyncssh.ConnectionLost("lost"), "upload", True, "OutcomeUnknown"),
+        (asyncssh.SFTPFailure("exists"), "rename", False, "NotDelivered"),
+        (asyncssh.SFTPFailure("exists"), "rename", True, "OutcomeUnknown"),
+        (asyncssh.SFTPConnectionLost("lost"), "rename", False, "OutcomeUnknown"),
+        (TimeoutError(), "rename", False, "OutcomeUnknown"),
+        (asyncssh.ConnectionLost("lost"), "confirm", True, "OutcomeUnknown"),
+    ],
+)
+def test_classify(exc: BaseException, step: str, exists: bool | None, expected: str) -> None:
+    listing = None if exists is None else RemoteFile(path="/x", exists=exists, size=1 if exists else None)
+    result = classify(exc, step, listing)  # type: ignore[arg-type]
+    assert (result.failure_reason or result.outcome) == expected

@@ -1,0 +1,224 @@
+"""ExportWorkflow: one per export (ID `export-<job id>`), the Temporal form of the reference design's runner.
+
+It reads the row, evaluates policy, claims (cutoff 1), builds, authorizes (cutoff 2) and delivers, each an
+activity that commits the documented conditional statement. It decides only from the row, never from Temporal's
+own state, and returns the row's state once it needs no attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy, SearchAttributeKey
+from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.workflow import ActivityCancellationType
+
+with workflow.unsafe.imports_passed_through():
+    from activities.contracts import (
+        AttemptInput,
+        AuthorizeInput,
+        AuthorizeOutput,
+        BuildOutput,
+        CancelOutput,
+        CancelRequest,
+        ClaimInput,
+        ClaimOutput,
+        DeliverInput,
+        DeliverOutput,
+        Evaluation,
+        ExportInput,
+        ExportResult,
+        Wake,
+    )
+    from store.models import AuthorizationResult, CancellationOutcome, ClaimResult, JobRow
+
+EXPORT_STATUS = SearchAttributeKey.for_keyword("ExportStatus")
+EXPORT_TENANT = SearchAttributeKey.for_keyword("ExportTenant")
+DELIVERY_KEY = SearchAttributeKey.for_keyword("DeliveryKey")
+EXPORT_ATTEMPTS = SearchAttributeKey.for_int("ExportAttempts")
+SEARCH_ATTRIBUTES = (EXPORT_STATUS, EXPORT_TENANT, DELIVERY_KEY, EXPORT_ATTEMPTS)
+
+# Short steps on the shared queue: each is a conditional statement, safe to retry.
+_SHORT: dict[str, Any] = {
+    "start_to_close_timeout": timedelta(seconds=30),
+    "retry_policy": RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30)),
+}
+# Without a wake-up, the workflow still looks at the row this often.
+_IDLE_RECHECK = timedelta(minutes=5)
+_UNCONFIRMED_CLAIM_RETRY = timedelta(seconds=5)
+_STOP_OUTCOMES = (CancellationOutcome.STOP_REQUESTED, CancellationOutcome.STOP_ALREADY_REQUESTED)
+
+
+@workflow.defn
+class ExportWorkflow:
+    def __init__(self) -> None:
+        self._row: JobRow | None = None
+        self._seen_messages: set[str] = set()
+        self._woken = False
+        self._cancels: list[CancelRequest] = []
+        self._cancel_in_flight = False
+        self._stop_seen = False
+        self._build: workflow.ActivityHandle[BuildOutput] | None = None
+
+    @workflow.signal
+    def wake(self, wake: Wake) -> None:
+        # The dispatcher may publish one outbox row twice; each row wakes the workflow once.
+        if str(wake.message_id) not in self._seen_messages:
+            self._seen_messages.add(str(wake.message_id))
+            self._woken = True
+
+    @workflow.signal
+    def cancel(self, request: CancelRequest) -> None:
+        self._cancels.append(request)
+
+    @workflow.query
+    def row(self) -> JobRow | None:
+        """The export's row as this workflow last read it."""
+        return self._row
+
+    @workflow.run
+    async def run(self, request: ExportInput) -> ExportResult:
+        if request.create is not None:
+            await workflow.execute_activity(
+                "create_export", request.create, summary=f"create, key {request.create.delivery_key}", **_SHORT
+            )
+        canceller = asyncio.create_task(self._serve_cancellations())
+        job_id = str(request.job_id)
+        while True:
+            self._woken = False
+            evaluation: Evaluation = await workflow.execute_activity(
+                "evaluate_policy", job_id, result_type=Evaluation, summary="read row, evaluate policy", **_SHORT
+            )
+            row = self._observe(evaluation.row)
+            if row.status.is_settled:
+                break
+            if evaluation.allowed and await self._attempt(row):
+                continue
+            # Another attempt holds the row, or the claim is unconfirmed: the next wake-up, or a timer, re-reads.
+            try:
+                await workflow.wait_condition(lambda: self._woken, timeout=_IDLE_RECHECK)
+            except asyncio.TimeoutError:
+                pass
+        # Requests that arrived meanwhile are still recorded, one record per request ID.
+        await workflow.wait_condition(lambda: not self._cancels and not self._cancel_in_flight)
+        canceller.cancel()
+        return ExportResult(job_id=row.id, status=row.status, failure_reason=row.failure_reason)
+
+    def _observe(self, row: JobRow | None) -> JobRow:
+        if row is None:
+            raise ApplicationError("no export with this ID", type="ExportNotFound", non_retryable=True)
+        previous, self._row = self._row, row
+        if previous is None or (previous.status, previous.attempt_count) != (row.status, row.attempt_count):
+            workflow.upsert_search_attributes(
+                [
+                    EXPORT_STATUS.value_set(row.status.value),
+                    EXPORT_TENANT.value_set(str(row.tenant_id)),
+                    DELIVERY_KEY.value_set(row.delivery_key),
+                    EXPORT_ATTEMPTS.value_set(row.attempt_count),
+                ]
+            )
+        return row
+
+    async def _attempt(self, row: JobRow) -> bool:
+        """One attempt from the claim to its terminal write. True when the row should be re-read at once."""
+        attempt_id = workflow.uuid4()
+        claim: ClaimOutput = await workflow.execute_activity(
+            "claim",
+            ClaimInput(job_id=row.id, checked_version=row.version, attempt_id=attempt_id),
+            result_type=ClaimOutput,
+            summary=f"claim, attempt {row.attempt_count + 1}",
+            **_SHORT,
+        )
+        if claim.result is ClaimResult.UNKNOWN:
+            # Like an unsettled message: it comes back later, and the row decides then.
+            await workflow.sleep(_UNCONFIRMED_CLAIM_RETRY)
+            return True
+        if claim.result is ClaimResult.LOST:
+            return True
+
+        lease = timedelta(seconds=claim.lease_seconds)
+        on_worker: dict[str, Any] = {
+            "task_queue": claim.worker_task_queue,
+            # The file lives on that worker; if it is gone, the row is left to recovery.
+            "schedule_to_start_timeout": lease,
+            "retry_policy": RetryPolicy(maximum_attempts=1),
+        }
+        attempt = AttemptInput(job=row, attempt_id=attempt_id)
+        self._build = workflow.start_activity(
+            "build",
+            attempt,
+            result_type=BuildOutput,
+            start_to_close_timeout=timedelta(hours=6),
+            heartbeat_timeout=lease,
+            cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+            summary="build contacts CSV",
+            **on_worker,
+        )
+        if self._stop_seen:
+            self._build.cancel()
+        try:
+            built = await self._build
+        except ActivityError:
+            return True
+        finally:
+            self._build = None
+        if built.file is None:
+            return True
+
+        file = built.file
+        authorized: AuthorizeOutput = await workflow.execute_activity(
+            "authorize_delivery",
+            AuthorizeInput(job=row, attempt_id=attempt_id, file=file),
+            result_type=AuthorizeOutput,
+            start_to_close_timeout=timedelta(seconds=60),
+            summary="cutoff 2: authorize delivery",
+            **on_worker,
+        )
+        if authorized.result is not AuthorizationResult.AUTHORIZED:
+            return True
+        try:
+            await workflow.execute_activity(
+                "deliver",
+                DeliverInput(job=row, attempt_id=attempt_id, file=file),
+                result_type=DeliverOutput,
+                start_to_close_timeout=timedelta(hours=6),
+                heartbeat_timeout=lease,
+                summary=f"upload {file.final_name}, {_size(file.size)}",
+                **on_worker,
+            )
+        except ActivityError:
+            pass  # never a second upload: the row stays Delivering and recovery resolves it
+        return True
+
+    async def _serve_cancellations(self) -> None:
+        while True:
+            await workflow.wait_condition(lambda: bool(self._cancels))
+            request = self._cancels.pop(0)
+            self._cancel_in_flight = True
+            try:
+                recorded: CancelOutput = await workflow.execute_activity(
+                    "record_cancellation",
+                    request,
+                    result_type=CancelOutput,
+                    summary=f"cancellation request by {request.requested_by}",
+                    **_SHORT,
+                )
+            finally:
+                self._cancel_in_flight = False
+            workflow.logger.info("cancellation request %s: %s", request.request_id, recorded.result.outcome)
+            if recorded.result.outcome in _STOP_OUTCOMES:
+                self._stop_seen = True
+                if self._build is not None:
+                    self._build.cancel()
+            self._woken = True
+
+
+def _size(size: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size} B"
