@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any, Optional, TypeVar
+from typing import Any, NoReturn, Optional, TypeVar
 
 import typer
 from rich.console import Console
@@ -20,11 +20,16 @@ from store.settings import get_settings
 
 app = typer.Typer(help="Partner exports on Temporal.", no_args_is_help=True, add_completion=False)
 console = Console()
-err = Console(stderr=True)
 T = TypeVar("T")
 
 EXIT_BAD_INPUT = 2
 EXIT_NOT_DONE = 3  # Busy: nothing recorded, try again with the same request ID
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """One line on stderr, never wrapped, and the exit status."""
+    print(message, file=sys.stderr)
+    raise typer.Exit(code)
 
 
 def _run(body: Callable[[ExportsClient], Awaitable[T]], *, temporal: bool = False) -> T:
@@ -39,8 +44,7 @@ def _run(body: Callable[[ExportsClient], Awaitable[T]], *, temporal: bool = Fals
     try:
         return asyncio.run(main())
     except InputError as exc:
-        err.print(f"error: {exc}", markup=False, highlight=False)
-        raise typer.Exit(EXIT_BAD_INPUT) from None
+        fail(f"error: {exc}", EXIT_BAD_INPUT)
 
 
 @app.command()
@@ -78,16 +82,13 @@ def cancel(
     result = _run(lambda c: c.cancel(tenant_id=tenant, job_id=job_id, requested_by=operator, reason=reason,
                                      request_id=request_id), temporal=True)
     if result.outcome is CancellationOutcome.NOT_FOUND:
-        err.print(f"error: export {job_id} not found for tenant {tenant}", markup=False, highlight=False)
-        raise typer.Exit(EXIT_BAD_INPUT)
+        fail(f"error: export {job_id} not found for tenant {tenant}", EXIT_BAD_INPUT)
     if result.outcome is CancellationOutcome.REQUEST_ID_REUSED:
-        err.print(f"error: request ID {result.request_id} was already used for another export or operator",
-                  markup=False, highlight=False)
-        raise typer.Exit(EXIT_BAD_INPUT)
+        fail(f"error: request ID {result.request_id} was already used for another export or operator",
+             EXIT_BAD_INPUT)
     if result.outcome is CancellationOutcome.BUSY:
-        err.print(f"could not tell: the export is busy; nothing was recorded. Retry with "
-                  f"--request-id {result.request_id}", markup=False, highlight=False)
-        raise typer.Exit(EXIT_NOT_DONE)
+        fail(f"could not tell: the export is busy and nothing was recorded; retry with "
+             f"--request-id {result.request_id}", EXIT_NOT_DONE)
     console.print(f"{result.outcome.value} (request {result.request_id}, found {result.found_status.value})")
 
 

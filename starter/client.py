@@ -41,7 +41,10 @@ def _validated(model: type, what: str, **values: Any):
     except ValidationError as exc:
         first = exc.errors()[0]
         field_name = ".".join(str(part) for part in first["loc"]) or what
-        raise InputError(f"{what}: {field_name.replace('_', ' ')}: {first['msg']}") from None
+        message = first["msg"]
+        if first["type"] == "string_pattern_mismatch":
+            message = "only letters, digits, '.', '_' and '-' are allowed, starting with a letter or digit"
+        raise InputError(f"{what}: {field_name.replace('_', ' ')}: {message}") from None
 
 
 @dataclass
