@@ -9,13 +9,13 @@ from typing import Any
 from uuid import UUID
 
 from sqlalchemy import select
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store import errors
+from store.cancellation import request_cancellation
 from store.models import (
     AuthorizationResult,
     BuiltFile,
-    CancellationOutcome,
     CancellationResult,
     ClaimResult,
     FailureCode,
@@ -23,31 +23,9 @@ from store.models import (
     Status,
 )
 from store.schema import cancellation_requests, destinations, export_attempt_events, export_jobs
-from store.statements import statement
+from store.statements import statement, write
 
 log = logging.getLogger(__name__)
-
-_OUTCOME_BY_STATUS = {
-    Status.QUEUED: CancellationOutcome.CANCELED_WHILE_QUEUED,
-    Status.CANCELED: CancellationOutcome.ALREADY_CANCELED,
-    Status.REJECTED: CancellationOutcome.ALREADY_ENDED,
-    Status.STOPPED: CancellationOutcome.ALREADY_ENDED,
-    Status.FAILED: CancellationOutcome.ALREADY_ENDED,
-    # Delivering, Completed, OutcomeUnknown: delivery was authorized.
-    Status.DELIVERING: CancellationOutcome.TOO_LATE,
-    Status.COMPLETED: CancellationOutcome.TOO_LATE,
-    Status.OUTCOME_UNKNOWN: CancellationOutcome.TOO_LATE,
-}
-
-
-def decide_cancellation(row: JobRow) -> CancellationOutcome:
-    """What a cancellation request means for a row as found under its lock."""
-    if row.status is Status.RUNNING:
-        if row.stop_request_id is None:
-            return CancellationOutcome.STOP_REQUESTED
-        return CancellationOutcome.STOP_ALREADY_REQUESTED
-    return _OUTCOME_BY_STATUS[row.status]
-
 
 class JobStore:
     def __init__(
@@ -64,16 +42,7 @@ class JobStore:
         self.reread_timeout_seconds = reread_timeout_seconds
 
     async def _write(self, name: str, **params: Any) -> int:
-        """Run one statement in its own transaction; the row count of its last (outer) command."""
-        try:
-            async with self.engine.begin() as conn:
-                result = await conn.execute(statement(name), params)
-                return result.rowcount
-        except Exception as exc:
-            translated = errors.translate(exc)
-            if translated is exc:
-                raise
-            raise translated from exc
+        return await write(self.engine, name, **params)
 
     # --- reads -------------------------------------------------------------------------------------------------
 
@@ -92,6 +61,19 @@ class JobStore:
         async with self.engine.connect() as conn:
             row = (await conn.execute(query)).mappings().first()
         return dict(row) if row is not None else None
+
+    async def request_cancellation(
+        self, *, tenant_id: UUID, job_id: UUID, request_id: UUID, requested_by: str, reason: str | None
+    ) -> CancellationResult:
+        return await request_cancellation(
+            self.engine,
+            self.lock_timeout_ms,
+            tenant_id=tenant_id,
+            job_id=job_id,
+            request_id=request_id,
+            requested_by=requested_by,
+            reason=reason,
+        )
 
     async def history(self, job_id: UUID) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """The job's attempt events and cancellation requests, oldest first."""
@@ -253,113 +235,4 @@ class JobStore:
             attempt_id=attempt_id,
             observed_by=observed_by,
             detail=json.dumps(detail, sort_keys=True, default=str),
-        )
-
-    # --- cancellation ------------------------------------------------------------------------------------------
-
-    async def request_cancellation(
-        self, *, tenant_id: UUID, job_id: UUID, request_id: UUID, requested_by: str, reason: str | None
-    ) -> CancellationResult:
-        """Decide and record one cancellation request under the job's row lock (Recording Cancellation
-        Requests). Busy records nothing; the client retries with the same request ID."""
-        try:
-            async with self.engine.begin() as conn:
-                return await self._decide_and_record(conn, tenant_id, job_id, request_id, requested_by, reason)
-        except Exception as exc:
-            if errors.is_lock_timeout(exc):
-                return CancellationResult(request_id=request_id, outcome=CancellationOutcome.BUSY, job_id=job_id)
-            if isinstance(errors.translate(exc), errors.CancellationRequestExists):
-                # The same request committed first under another transaction; answer from its record.
-                async with self.engine.connect() as conn:
-                    recorded = await self._recorded(conn, tenant_id, job_id, request_id, requested_by)
-                if recorded is not None:
-                    return recorded
-            raise
-
-    async def _recorded(
-        self, conn: AsyncConnection, tenant_id: UUID, job_id: UUID, request_id: UUID, requested_by: str
-    ) -> CancellationResult | None:
-        earlier = (
-            (await conn.execute(statement("cancel_find_request"), {"tenant_id": tenant_id, "request_id": request_id}))
-            .mappings()
-            .first()
-        )
-        if earlier is None:
-            return None
-        if earlier["job_id"] != job_id or earlier["requested_by"] != requested_by:
-            return CancellationResult(request_id=request_id, outcome=CancellationOutcome.REQUEST_ID_REUSED)
-        return CancellationResult(
-            request_id=request_id,
-            outcome=CancellationOutcome(earlier["outcome"]),
-            job_id=job_id,
-            found_status=Status(earlier["found_status"]),
-            found_attempt_id=earlier["found_attempt_id"],
-            found_attempt_count=earlier["found_attempt_count"],
-        )
-
-    async def _decide_and_record(
-        self,
-        conn: AsyncConnection,
-        tenant_id: UUID,
-        job_id: UUID,
-        request_id: UUID,
-        requested_by: str,
-        reason: str | None,
-    ) -> CancellationResult:
-        # Bounds each lock wait of this transaction only.
-        await conn.exec_driver_sql(f"SET LOCAL lock_timeout = {int(self.lock_timeout_ms)}")
-        locked = (
-            (await conn.execute(statement("cancel_lock_job"), {"job_id": job_id, "tenant_id": tenant_id}))
-            .mappings()
-            .first()
-        )
-        if locked is None:
-            # Another tenant's job looks exactly like a missing one.
-            return CancellationResult(request_id=request_id, outcome=CancellationOutcome.NOT_FOUND)
-        found = JobRow.model_validate(dict(locked))
-
-        earlier = await self._recorded(conn, tenant_id, job_id, request_id, requested_by)
-        if earlier is not None:
-            return earlier
-
-        outcome = decide_cancellation(found)
-        keys = {"job_id": job_id, "tenant_id": tenant_id, "request_id": request_id}
-        if outcome is CancellationOutcome.CANCELED_WHILE_QUEUED:
-            changed = (await conn.execute(statement("cancel_queued"), keys)).rowcount
-        elif outcome is CancellationOutcome.STOP_REQUESTED:
-            changed = (await conn.execute(statement("request_stop"), keys)).rowcount
-        else:
-            changed = 1  # these outcomes change nothing on the job
-        if changed != 1:
-            # Impossible while the row is locked; if it happens, the outcome is not true, so record nothing.
-            log.critical("export %s changed under its row lock; outcome %s not recorded", job_id, outcome)
-            raise errors.StoreError(f"export {job_id} changed under its row lock")
-
-        recorded = (
-            await conn.execute(
-                statement("cancel_record_request"),
-                {
-                    **keys,
-                    "requested_by": requested_by,
-                    "reason": reason,
-                    "outcome": outcome.value,
-                    "found_status": found.status.value,
-                    "found_attempt_id": found.attempt_id,
-                    "found_attempt_count": found.attempt_count,
-                    "found_delivery_authorized_at": found.delivery_authorized_at,
-                },
-            )
-        ).rowcount
-        if recorded != 1:
-            raise errors.StoreError(f"cancellation request {request_id} was not recorded")
-        if outcome is CancellationOutcome.STOP_REQUESTED:
-            # Delivered at commit; a building attempt listening for it stops at once (the watcher is for speed).
-            await conn.execute(statement("notify_stop"), {"job_id": str(job_id)})
-        return CancellationResult(
-            request_id=request_id,
-            outcome=outcome,
-            job_id=job_id,
-            found_status=found.status,
-            found_attempt_id=found.attempt_id,
-            found_attempt_count=found.attempt_count,
         )

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import TextClause, text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from store import errors
 
 SQL_DIR = Path(__file__).parent / "sql"
 
@@ -13,3 +17,21 @@ SQL_DIR = Path(__file__).parent / "sql"
 @cache
 def statement(name: str) -> TextClause:
     return text((SQL_DIR / f"{name}.sql").read_text())
+
+
+async def write(engine: AsyncEngine, name: str, **params: Any) -> int:
+    """Run one statement in its own transaction; the row count of its outer command. A constraint violation
+    becomes the domain error named after its constraint."""
+    try:
+        async with engine.begin() as conn:
+            return (await conn.execute(statement(name), params)).rowcount
+    except Exception as exc:
+        translated = errors.translate(exc)
+        if translated is exc:
+            raise
+        raise translated from exc
+
+
+async def fetch_one(conn: AsyncConnection, name: str, **params: Any) -> dict[str, Any] | None:
+    row = (await conn.execute(statement(name), params)).mappings().first()
+    return dict(row) if row is not None else None
