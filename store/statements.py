@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -19,17 +21,25 @@ def statement(name: str) -> TextClause:
     return text((SQL_DIR / f"{name}.sql").read_text())
 
 
-async def write(engine: AsyncEngine, name: str, **params: Any) -> int:
-    """Run one statement in its own transaction; the row count of its outer command. A constraint violation
-    becomes the domain error named after its constraint."""
+@asynccontextmanager
+async def transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    """One transaction; a constraint violation or a refused privilege leaves it as its domain error."""
     try:
         async with engine.begin() as conn:
-            return (await conn.execute(statement(name), params)).rowcount
+            yield conn
+    except errors.StoreError:
+        raise
     except Exception as exc:
         translated = errors.translate(exc)
         if translated is exc:
             raise
         raise translated from exc
+
+
+async def write(engine: AsyncEngine, name: str, **params: Any) -> int:
+    """Run one statement in its own transaction; the row count of its outer command."""
+    async with transaction(engine) as conn:
+        return (await conn.execute(statement(name), params)).rowcount
 
 
 async def fetch_one(conn: AsyncConnection, name: str, **params: Any) -> dict[str, Any] | None:
