@@ -50,6 +50,27 @@ class TransitionAlreadyRecorded(ConstraintViolation):
     constraint = "uq_attempt_transition"
 
 
+class ReplacementMismatch(ConstraintViolation):
+    """a replacement must carry its original's tenant and delivery key, and name an original"""
+
+    constraint = "fk_export_jobs_replaces"
+
+
+class FailureCodeMismatch(ConstraintViolation):
+    """a Failed export needs exactly one failure code, and no other status may carry one"""
+
+    constraint = "ck_export_jobs_failure"
+
+
+class NotReplaceable(StoreError):
+    """The original is not OutcomeUnknown or Failed for a reason that proves nothing was finalized, or it is not
+    this tenant's."""
+
+
+class NotPermitted(StoreError):
+    """The database role may not do this (a privilege or row-level security refused it)."""
+
+
 class CancellationRequestExists(ConstraintViolation):
     """this request ID is already recorded for this tenant"""
 
@@ -65,12 +86,15 @@ _BY_CONSTRAINT: dict[str, type[ConstraintViolation]] = {
         ReplacementSlotTaken,
         TransitionAlreadyRecorded,
         CancellationRequestExists,
+        ReplacementMismatch,
+        FailureCodeMismatch,
     )
 }
 # pk_deliveries guards the same rule as uq_export_jobs_original_key, and fires first in the creation statement.
 _BY_CONSTRAINT["pk_deliveries"] = DeliveryKeyTaken
 
 LOCK_NOT_AVAILABLE = "55P03"
+INSUFFICIENT_PRIVILEGE = "42501"
 
 
 def postgres_error(exc: BaseException) -> asyncpg.PostgresError | None:
@@ -107,6 +131,9 @@ def is_uncertain(exc: BaseException) -> bool:
 def translate(exc: BaseException) -> BaseException:
     """The domain error for a constraint violation, or the exception itself."""
     err = postgres_error(exc)
-    constraint = getattr(err, "constraint_name", None) if err is not None else None
-    cls = _BY_CONSTRAINT.get(constraint or "")
+    if err is None:
+        return exc
+    if err.sqlstate == INSUFFICIENT_PRIVILEGE:
+        return NotPermitted(str(err))
+    cls = _BY_CONSTRAINT.get(getattr(err, "constraint_name", None) or "")
     return cls() if cls is not None else exc
