@@ -15,6 +15,7 @@ from rich.table import Table
 
 from starter.client import ExportsClient, ExportView, InputError
 from starter.temporal import connect_temporal
+from store.errors import StoreError
 from store.models import CancellationOutcome
 from store.settings import get_settings
 
@@ -23,7 +24,8 @@ console = Console()
 T = TypeVar("T")
 
 EXIT_BAD_INPUT = 2
-EXIT_NOT_DONE = 3  # Busy: nothing recorded, try again with the same request ID
+EXIT_NOT_DONE = 3  # nothing changed (Busy, or the row moved on): read it again, retry with the same request ID
+EXIT_REFUSED = 4
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -45,6 +47,8 @@ def _run(body: Callable[[ExportsClient], Awaitable[T]], *, temporal: bool = Fals
         return asyncio.run(main())
     except InputError as exc:
         fail(f"error: {exc}", EXIT_BAD_INPUT)
+    except StoreError as exc:  # a definite refusal from the database, e.g. a role that may not do this
+        fail(f"refused: {exc}", EXIT_REFUSED)
 
 
 @app.command()
@@ -90,6 +94,75 @@ def cancel(
         fail(f"could not tell: the export is busy and nothing was recorded; retry with "
              f"--request-id {result.request_id}", EXIT_NOT_DONE)
     console.print(f"{result.outcome.value} (request {result.request_id}, found {result.found_status.value})")
+
+
+@app.command()
+def replace(
+    original: str = typer.Argument(..., help="the original export (a replacement's ID resolves to its original)"),
+    tenant: str = typer.Option(..., help="tenant ID"),
+    created_by: str = typer.Option(..., "--created-by", help="the named person creating the replacement"),
+    reason: str = typer.Option(..., help="why, in the creator's words"),
+    overwrite_agreement: Optional[str] = typer.Option(
+        None, help="reference to the partner's recorded agreement to an overwrite; without it, none happens"),
+) -> None:
+    """Create a replacement for an original that did not deliver, or whose outcome is unknown."""
+    created = _run(lambda c: c.replace(tenant_id=tenant, original_job_id=original, created_by=created_by,
+                                       reason=reason, overwrite_agreement_ref=overwrite_agreement))
+    console.print(str(created))
+
+
+@app.command()
+def edit(
+    job_id: str = typer.Argument(..., help="export ID"),
+    tenant: str = typer.Option(..., help="tenant ID"),
+    version: int = typer.Option(..., help="the version you read (exports show)"),
+    destination: str = typer.Option(..., help="the new destination, of this tenant"),
+) -> None:
+    """Change the destination of an export that has not started."""
+    changed = _run(lambda c: c.edit(tenant_id=tenant, job_id=job_id, expected_version=version,
+                                    destination_id=destination))
+    if not changed:
+        fail(f"not changed: export {job_id} has started, ended, or is no longer at version {version}",
+             EXIT_NOT_DONE)
+    console.print(f"changed; now at version {version + 1}")
+
+
+@app.command("reconcile")
+def reconcile_command(
+    job_id: str = typer.Argument(..., help="export ID"),
+    tenant: str = typer.Option(..., help="tenant ID"),
+    attempt: str = typer.Option(..., help="the attempt recovery resolved to OutcomeUnknown"),
+    outcome: str = typer.Option(..., help="Completed, or Failed (recorded as NotDelivered)"),
+    by: str = typer.Option(..., help="who reconciles"),
+    evidence: str = typer.Option(..., help="what the evidence shows"),
+) -> None:
+    """Settle an OutcomeUnknown export once, from evidence."""
+    done = _run(lambda c: c.reconcile(tenant_id=tenant, job_id=job_id, attempt_id=attempt, outcome=outcome,
+                                      reconciled_by=by, evidence=evidence))
+    if not done:
+        fail(f"not reconciled: export {job_id} is not OutcomeUnknown for attempt {attempt}", EXIT_NOT_DONE)
+    console.print(f"reconciled as {outcome}")
+
+
+@app.command("correct")
+def correct_command(
+    job_id: str = typer.Argument(..., help="export ID"),
+    tenant: str = typer.Option(..., help="tenant ID"),
+    attempt: str = typer.Option(..., help="the attempt whose outcome is corrected"),
+    recorded: str = typer.Option(..., "--from", help="the recorded status you saw: Completed or Failed"),
+    corrected: str = typer.Option(..., "--to", help="Completed or Failed"),
+    failure_reason: Optional[str] = typer.Option(None, help="with --to Failed: the failure code"),
+    by: str = typer.Option(..., help="the reconciliation operator"),
+    evidence: str = typer.Option(..., help="reference to the evidence"),
+    why: str = typer.Option(..., help="why the recorded outcome was wrong"),
+) -> None:
+    """Correct a recorded Completed or Failed, once per attempt (reconciliation role only)."""
+    done = _run(lambda c: c.correct(tenant_id=tenant, job_id=job_id, attempt_id=attempt, recorded=recorded,
+                                    corrected=corrected, failure_reason=failure_reason, corrected_by=by,
+                                    evidence_ref=evidence, why=why))
+    if not done:
+        fail(f"not corrected: export {job_id} is not {recorded} for attempt {attempt}", EXIT_NOT_DONE)
+    console.print(f"corrected from {recorded} to {corrected}")
 
 
 @app.command()

@@ -6,20 +6,63 @@ Inputs are validated before anything is written; a refusal is an `InputError` wi
 from __future__ import annotations
 
 import uuid
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.contracts import CancelRequest, CreateExport, ExportInput, ExportResult
+from activities.contracts import MAX_NAME, MAX_REASON, CancelRequest, CreateExport, ExportInput, ExportResult
 from starter.temporal import workflow_id
 from store import errors
 from store.db import make_engine
 from store.jobs import JobStore
-from store.models import CancellationOutcome, CancellationResult, JobRow
+from store.models import CancellationOutcome, CancellationResult, FailureCode, JobRow, Status
+from store.reconciliation import correct, reconcile
 from store.settings import Settings
+from store.terms import create_replacement, edit_terms
+
+Name = Field(min_length=1, max_length=MAX_NAME)
+Text = Field(min_length=1, max_length=MAX_REASON)
+
+
+class ReplaceRequest(BaseModel):
+    tenant_id: uuid.UUID
+    original_job_id: uuid.UUID
+    job_id: uuid.UUID
+    created_by: str = Name
+    replacement_reason: str = Text
+    overwrite_agreement_ref: str | None = Field(default=None, min_length=1, max_length=MAX_NAME)
+
+
+class EditRequest(BaseModel):
+    tenant_id: uuid.UUID
+    job_id: uuid.UUID
+    expected_version: int = Field(ge=1)
+    destination_id: uuid.UUID
+
+
+class ReconcileRequest(BaseModel):
+    tenant_id: uuid.UUID
+    job_id: uuid.UUID
+    attempt_id: uuid.UUID
+    resolution: Status
+    reconciled_by: str = Name
+    evidence_summary: str = Text
+
+
+class CorrectRequest(BaseModel):
+    tenant_id: uuid.UUID
+    job_id: uuid.UUID
+    attempt_id: uuid.UUID
+    recorded_status: Status
+    corrected_status: Status
+    failure_reason: FailureCode | None = None
+    corrected_by: str = Name
+    evidence_ref: str = Text
+    why: str = Text
 
 
 class InputError(ValueError):
@@ -55,10 +98,18 @@ class ExportView:
 
 
 class ExportsClient:
-    def __init__(self, store: JobStore, temporal: Client | None, *, task_queue: str = "exports") -> None:
+    def __init__(
+        self,
+        store: JobStore,
+        temporal: Client | None,
+        *,
+        task_queue: str = "exports",
+        reconciliation_url: str = "",
+    ) -> None:
         self.store = store
         self.temporal = temporal
         self.task_queue = task_queue
+        self.reconciliation_url = reconciliation_url
 
     @classmethod
     def from_settings(cls, settings: Settings, temporal: Client | None) -> ExportsClient:
@@ -68,7 +119,9 @@ class ExportsClient:
             lock_timeout_ms=settings.lock_timeout_ms,
             reread_timeout_seconds=settings.reread_timeout_seconds,
         )
-        return cls(store, temporal, task_queue=settings.task_queue)
+        return cls(
+            store, temporal, task_queue=settings.task_queue, reconciliation_url=settings.reconciliation_database_url
+        )
 
     async def close(self) -> None:
         await self.store.engine.dispose()
@@ -162,6 +215,134 @@ class ExportsClient:
             raise InputError(f"export {job} not found" + (f" for tenant {tenant}" if tenant else ""))
         events, requests = await self.store.history(job)
         return ExportView(row=row, events=events, cancellation_requests=requests)
+
+    async def replace(
+        self,
+        *,
+        tenant_id: str | uuid.UUID,
+        original_job_id: str | uuid.UUID,
+        created_by: str,
+        reason: str,
+        overwrite_agreement_ref: str | None = None,
+    ) -> uuid.UUID:
+        """A replacement export for an original that did not deliver (or whose outcome is unknown): a new job
+        carrying the original's delivery key. Naming a replacement resolves to its original."""
+        request = _validated(
+            ReplaceRequest,
+            "replacement",
+            tenant_id=parse_id(tenant_id, "tenant ID"),
+            original_job_id=parse_id(original_job_id, "job ID"),
+            job_id=uuid.uuid4(),
+            created_by=created_by,
+            replacement_reason=reason,
+            overwrite_agreement_ref=overwrite_agreement_ref,
+        )
+        try:
+            await create_replacement(self.store.engine, **request.model_dump())
+        except (errors.NotReplaceable, errors.ConstraintViolation) as exc:
+            raise InputError(str(exc)) from None
+        return request.job_id
+
+    async def edit(
+        self,
+        *,
+        tenant_id: str | uuid.UUID,
+        job_id: str | uuid.UUID,
+        expected_version: int,
+        destination_id: str | uuid.UUID,
+    ) -> bool:
+        """Change a queued export's destination at the version the caller read. False: it started, ended, or
+        was edited meanwhile; read it again."""
+        request = _validated(
+            EditRequest,
+            "edit",
+            tenant_id=parse_id(tenant_id, "tenant ID"),
+            job_id=parse_id(job_id, "job ID"),
+            expected_version=expected_version,
+            destination_id=parse_id(destination_id, "destination ID"),
+        )
+        if await self.store.read_job(request.job_id, tenant_id=request.tenant_id) is None:
+            raise InputError(f"export {request.job_id} not found for tenant {request.tenant_id}")
+        try:
+            return await edit_terms(self.store.engine, **request.model_dump())
+        except errors.ConstraintViolation as exc:
+            raise InputError(str(exc)) from None
+
+    async def reconcile(
+        self,
+        *,
+        tenant_id: str | uuid.UUID,
+        job_id: str | uuid.UUID,
+        attempt_id: str | uuid.UUID,
+        outcome: str,
+        reconciled_by: str,
+        evidence: str,
+    ) -> bool:
+        """Settle an OutcomeUnknown attempt once, as Completed or Failed (NotDelivered), from evidence."""
+        if outcome not in (Status.COMPLETED, Status.FAILED):
+            raise InputError(f"outcome {outcome!r} must be Completed or Failed")
+        request = _validated(
+            ReconcileRequest,
+            "reconciliation",
+            tenant_id=parse_id(tenant_id, "tenant ID"),
+            job_id=parse_id(job_id, "job ID"),
+            attempt_id=parse_id(attempt_id, "attempt ID"),
+            resolution=outcome,
+            reconciled_by=reconciled_by,
+            evidence_summary=evidence,
+        )
+        async with self._reconciler() as engine:
+            return await reconcile(engine, **request.model_dump())
+
+    async def correct(
+        self,
+        *,
+        tenant_id: str | uuid.UUID,
+        job_id: str | uuid.UUID,
+        attempt_id: str | uuid.UUID,
+        recorded: str,
+        corrected: str,
+        failure_reason: str | None,
+        corrected_by: str,
+        evidence_ref: str,
+        why: str,
+    ) -> bool:
+        """Change a recorded Completed or Failed once, under the reconciliation role, with who and why."""
+        for status in (recorded, corrected):
+            if status not in (Status.COMPLETED, Status.FAILED):
+                raise InputError(f"status {status!r} must be Completed or Failed")
+        if (corrected == Status.FAILED) != (failure_reason is not None):
+            raise InputError("a correction to Failed needs a failure reason, and only that one")
+        if failure_reason is not None and failure_reason not in FailureCode.__members__.values():
+            raise InputError(f"failure reason {failure_reason!r} is not one of {', '.join(FailureCode)}")
+        request = _validated(
+            CorrectRequest,
+            "correction",
+            tenant_id=parse_id(tenant_id, "tenant ID"),
+            job_id=parse_id(job_id, "job ID"),
+            attempt_id=parse_id(attempt_id, "attempt ID"),
+            recorded_status=recorded,
+            corrected_status=corrected,
+            failure_reason=failure_reason,
+            corrected_by=corrected_by,
+            evidence_ref=evidence_ref,
+            why=why,
+        )
+        async with self._reconciler() as engine:
+            try:
+                return await correct(engine, **request.model_dump())
+            except errors.TransitionAlreadyRecorded:
+                raise InputError("this attempt's outcome was already corrected once") from None
+
+    @asynccontextmanager
+    async def _reconciler(self):
+        if not self.reconciliation_url:
+            raise InputError("no reconciliation role configured (EXPORTS_RECONCILIATION_DATABASE_URL)")
+        engine = make_engine(self.reconciliation_url, pool_size=1)
+        try:
+            yield engine
+        finally:
+            await engine.dispose()
 
     def _temporal(self) -> Client:
         if self.temporal is None:

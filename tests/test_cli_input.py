@@ -86,6 +86,48 @@ CASES = {
     "cancel, malformed request ID": (
         lambda w: ["cancel", w["job"], "--tenant", w["tenant"], "--operator", "op", "--request-id", "7"],
         "request ID '7' is not a UUID"),
+    "replace, malformed original": (
+        lambda w: ["replace", "orig", "--tenant", w["tenant"], "--created-by", "op", "--reason", "r"],
+        "job ID 'orig' is not a UUID"),
+    "replace, another tenant's original": (
+        lambda w: ["replace", w["job"], "--tenant", w["other_tenant"], "--created-by", "op", "--reason", "r"],
+        "not found for this tenant"),
+    "replace, an original that may not be replaced": (
+        lambda w: ["replace", w["job"], "--tenant", w["tenant"], "--created-by", "op", "--reason", "r"],
+        "may not be replaced"),
+    "replace, over-long reason": (
+        lambda w: ["replace", w["job"], "--tenant", w["tenant"], "--created-by", "op", "--reason", "r" * 2001],
+        "replacement reason"),
+    "edit, malformed job": (
+        lambda w: ["edit", "j", "--tenant", w["tenant"], "--version", "1", "--destination", w["destination"]],
+        "job ID 'j' is not a UUID"),
+    "edit, another tenant's job": (
+        lambda w: ["edit", w["job"], "--tenant", w["other_tenant"], "--version", "1",
+                   "--destination", w["other_destination"]],
+        "not found for tenant"),
+    "edit, unknown destination": (
+        lambda w: ["edit", w["job"], "--tenant", w["tenant"], "--version", "1", "--destination", str(uuid.uuid4())],
+        "no such destination for this tenant"),
+    "edit, version zero": (
+        lambda w: ["edit", w["job"], "--tenant", w["tenant"], "--version", "0", "--destination", w["destination"]],
+        "expected version"),
+    "reconcile, unknown outcome": (
+        lambda w: ["reconcile", w["job"], "--tenant", w["tenant"], "--attempt", str(uuid.uuid4()),
+                   "--outcome", "Probably", "--by", "op", "--evidence", "e"],
+        "must be Completed or Failed"),
+    "reconcile, malformed attempt": (
+        lambda w: ["reconcile", w["job"], "--tenant", w["tenant"], "--attempt", "a1", "--outcome", "Completed",
+                   "--by", "op", "--evidence", "e"],
+        "attempt ID 'a1' is not a UUID"),
+    "correct, to Failed without a reason": (
+        lambda w: ["correct", w["job"], "--tenant", w["tenant"], "--attempt", str(uuid.uuid4()), "--from",
+                   "Completed", "--to", "Failed", "--by", "op", "--evidence", "e", "--why", "w"],
+        "needs a failure reason"),
+    "correct, unknown failure reason": (
+        lambda w: ["correct", w["job"], "--tenant", w["tenant"], "--attempt", str(uuid.uuid4()), "--from",
+                   "Completed", "--to", "Failed", "--failure-reason", "Gremlins", "--by", "op", "--evidence", "e",
+                   "--why", "w"],
+        "is not one of"),
     "show, malformed job": (lambda w: ["show", "x"], "job ID 'x' is not a UUID"),
     "show, another tenant's job": (lambda w: ["show", w["job"], "--tenant", w["other_tenant"]], "not found"),
 }
@@ -110,3 +152,36 @@ async def test_cli__good_input_creates_shows_and_cancels(world):
     canceled = await run(world["env"], "cancel", str(job_id), "--tenant", world["tenant"], "--operator", "op")
     assert canceled.exit_code == 0 and canceled.stdout.startswith("CanceledWhileQueued"), canceled.output
     assert await world["db"].admin.fetchval("SELECT status FROM export_jobs WHERE id = $1", job_id) == "Canceled"
+
+
+async def test_cli__edit_replace_reconcile_and_correct_do_their_writes(world, store):
+    from store.models import FailureCode, Status
+    from tests.store_states import drive
+
+    env, tenant = world["env"], world["tenant"]
+    edited = await run(env, "edit", world["job"], "--tenant", tenant, "--version", "1",
+                       "--destination", world["destination"])
+    assert edited.exit_code == 0, edited.output
+    stale = await run(env, "edit", world["job"], "--tenant", tenant, "--version", "1",
+                      "--destination", world["destination"])
+    assert stale.exit_code == 3 and stale.stderr.startswith("not changed"), stale.output
+
+    attempt = await drive(store, uuid.UUID(world["job"]), Status.FAILED, FailureCode.BUILD_FAILED)
+    replaced = await run(env, "replace", world["job"], "--tenant", tenant, "--created-by", "op",
+                         "--reason", "the build failed")
+    assert replaced.exit_code == 0, replaced.output
+    replacement = uuid.UUID(replaced.stdout.strip())
+    assert await world["db"].admin.fetchval("SELECT replaces_job_id FROM export_jobs WHERE id = $1",
+                                            replacement) == uuid.UUID(world["job"])
+
+    corrected = await run(env, "correct", world["job"], "--tenant", tenant, "--attempt", str(attempt),
+                          "--from", "Failed", "--to", "Completed", "--by", "rec@example", "--evidence", "ticket",
+                          "--why", "it arrived")
+    assert corrected.exit_code == 0, corrected.output
+    assert await world["db"].admin.fetchval(
+        "SELECT observed_by FROM export_attempt_events WHERE job_id = $1 AND kind = 'Corrected'",
+        uuid.UUID(world["job"])) == "rec@example"
+    again = await run(env, "correct", world["job"], "--tenant", tenant, "--attempt", str(attempt),
+                      "--from", "Completed", "--to", "Failed", "--failure-reason", "NotDelivered",
+                      "--by", "rec@example", "--evidence", "ticket", "--why", "changed my mind")
+    assert again.exit_code == 2 and "already corrected" in again.stderr, again.output
