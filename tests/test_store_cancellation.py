@@ -134,3 +134,22 @@ async def test_mapping__locking_read_selects_exactly_the_mapped_columns(db):
 def test_sql_files__every_statement_is_loadable():
     for path in SQL_DIR.glob("*.sql"):
         assert statement(path.stem).text.strip(), path
+
+
+@pytest.mark.spec("RQ2")
+async def test_request__same_id_for_two_jobs_at_once_one_records_other_is_reused(db, store, queued):
+    """Different jobs take different row locks, so the second insert meets the primary key: it is answered from
+    the request recorded first."""
+    tenant_id, job_id = queued
+    destination_id = await db.admin.fetchval("SELECT destination_id FROM export_jobs WHERE id = $1", job_id)
+    for _ in range(10):
+        first_job = await create_job(store, tenant_id, destination_id)
+        second_job = await create_job(store, tenant_id, destination_id)
+        request_id = uuid.uuid4()
+        results = await asyncio.gather(cancel(store, tenant_id, first_job, request_id),
+                                       cancel(store, tenant_id, second_job, request_id))
+        outcomes = sorted(r.outcome.value for r in results)
+        assert outcomes == ["CanceledWhileQueued", "RequestIdReused"], outcomes
+        statuses = {(await store.read_job(j)).status for j in (first_job, second_job)}
+        assert statuses == {Status.CANCELED, Status.QUEUED}
+        assert await db.admin.fetchval("SELECT count(*) FROM cancellation_requests WHERE id = $1", request_id) == 1
