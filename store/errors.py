@@ -116,8 +116,12 @@ def is_lock_timeout(exc: BaseException) -> bool:
 
 def is_uncertain(exc: BaseException) -> bool:
     """Connection loss or a timeout: the statement may have committed. Ask the row, not the exception."""
-    if isinstance(exc, (OSError, asyncio.TimeoutError, TimeoutError, asyncpg.InterfaceError)):
+    if isinstance(exc, (OSError, asyncio.TimeoutError, TimeoutError)):
         return True
+    if isinstance(exc, asyncpg.InterfaceError):
+        # Only a closed connection; the adapter's other interface errors (another operation in progress, wrong
+        # argument count, bad configuration) refuse the statement before it is sent: real answers.
+        return "connection is closed" in str(exc)
     if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
         return True
     err = postgres_error(exc)

@@ -195,18 +195,18 @@ class JobStore:
         return AuthorizationResult.LEASE_LAPSED
 
     async def finish_stopped(self, job_id: UUID, attempt_id: UUID, stop_point: str) -> bool:
-        return (
-            await self._write("finish_stopped", job_id=job_id, attempt_id=attempt_id, stop_point=stop_point)
-            == 1
+        return await self._finish(
+            "finish_stopped", "Stopped", Status.STOPPED, None,
+            job_id=job_id, attempt_id=attempt_id, stop_point=stop_point,
         )
 
     async def finish_failed(
         self, job_id: UUID, attempt_id: UUID, code: FailureCode, cause: str | None = None
     ) -> bool:
-        written = await self._write(
-            "finish_failed", job_id=job_id, attempt_id=attempt_id, failure_reason=code.value, cause=cause
+        return await self._finish(
+            "finish_failed", "Failed", Status.FAILED, code,
+            job_id=job_id, attempt_id=attempt_id, failure_reason=code.value, cause=cause,
         )
-        return written == 1
 
     async def finish_delivery(
         self,
@@ -216,15 +216,44 @@ class JobStore:
         failure_reason: FailureCode | None,
         summary: str,
     ) -> bool:
-        written = await self._write(
-            "finish_delivery",
+        return await self._finish(
+            "finish_delivery", "Finished", outcome, failure_reason,
             job_id=job_id,
             attempt_id=attempt_id,
             outcome=outcome.value,
             failure_reason=failure_reason.value if failure_reason else None,
             summary=summary,
         )
-        return written == 1
+
+    async def _finish(
+        self, name: str, kind: str, expected: Status, code: FailureCode | None, **params: Any
+    ) -> bool:
+        """A terminal write with the claim's shape: whether this attempt's terminal state is recorded. On an
+        uncertain error or no row, the row is asked; if that fails too, False, and recovery resolves the job."""
+        job_id, attempt_id = params["job_id"], params["attempt_id"]
+        try:
+            if await self._write(name, **params) == 1:
+                return True
+        except Exception as exc:
+            if not errors.is_uncertain(exc):
+                raise
+            log.warning("%s of %s for attempt %s is uncertain: %s", name, job_id, attempt_id, exc)
+        try:
+            row = await self._bounded_reread("finish_reread", job_id=job_id, attempt_id=attempt_id, kind=kind)
+        except Exception as exc:
+            if not (errors.is_uncertain(exc) or isinstance(exc, TimeoutError)):
+                raise
+            log.warning("re-read after %s of %s for attempt %s failed, leaving it to recovery: %r",
+                        name, job_id, attempt_id, exc)
+            return False
+        # The expected state, code and owner together, and this attempt's own event: not recovery's resolution.
+        return (
+            row is not None
+            and row["status"] == expected
+            and row["attempt_id"] == attempt_id
+            and row["failure_reason"] == (code.value if code else None)
+            and row["event_recorded"]
+        )
 
     async def append_evidence(
         self, job_id: UUID, attempt_id: UUID, observed_by: str, detail: dict[str, Any]
