@@ -1,0 +1,148 @@
+"""Recovery of expired attempts (reference design, Recovery).
+
+The scan only nominates. Each takeover is one conditional statement that repeats every condition the scan relied
+on, the expired lease included, and records its event in the same statement; so a renewal that commits after the
+scan makes the takeover match nothing, and a late cutoff 2 and a requeue cannot both commit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from uuid import UUID
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from store.models import Status
+from store.statements import statement, write
+
+log = logging.getLogger(__name__)
+
+# The event each Running takeover records; take_over_running returns the one that committed.
+REQUEUED = "RequeuedByRecovery"
+STOPPED = "StoppedByRecovery"
+EXHAUSTED = "AttemptsExhausted"
+
+_RESOLUTIONS = (Status.COMPLETED, Status.OUTCOME_UNKNOWN)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A nominated attempt, as the scan read it. A hint only: the takeover re-checks all of it."""
+
+    job_id: UUID
+    attempt_id: UUID
+    status: Status
+    stop_request_id: UUID | None
+    attempt_count: int
+
+
+class Recovery:
+    def __init__(self, engine: AsyncEngine, *, max_attempts: int) -> None:
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        self.engine = engine
+        self.max_attempts = max_attempts
+
+    async def nominate(self, limit: int) -> list[Candidate]:
+        """Running and Delivering attempts whose lease has expired, oldest lease first."""
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(statement("recovery_nominate"), {"limit": limit})).mappings().all()
+        return [
+            Candidate(
+                job_id=row["id"],
+                attempt_id=row["attempt_id"],
+                status=Status(row["status"]),
+                stop_request_id=row["stop_request_id"],
+                attempt_count=row["attempt_count"],
+            )
+            for row in rows
+        ]
+
+    async def requeue(self, job_id: UUID, attempt_id: UUID) -> bool:
+        """Running -> Queued with RequeuedByRecovery and a new outbox row. The statement's row count is the
+        outbox insert's, which is one exactly when the update and its event happened."""
+        return await self._takeover(
+            "recovery_requeue", job_id=job_id, expired_attempt_id=attempt_id, max_attempts=self.max_attempts
+        )
+
+    async def stop(self, job_id: UUID, attempt_id: UUID, recovery_run_id: str | UUID) -> bool:
+        """Running with a recorded stop request -> Stopped, with StoppedByRecovery."""
+        return await self._takeover(
+            "recovery_stop",
+            job_id=job_id,
+            expired_attempt_id=attempt_id,
+            recovery_run_id=str(recovery_run_id),
+        )
+
+    async def exhaust(self, job_id: UUID, attempt_id: UUID, recovery_run_id: str | UUID) -> bool:
+        """Running at the attempt cap -> Failed/AttemptsExhausted, with its event."""
+        return await self._takeover(
+            "recovery_exhausted",
+            job_id=job_id,
+            expired_attempt_id=attempt_id,
+            max_attempts=self.max_attempts,
+            recovery_run_id=str(recovery_run_id),
+        )
+
+    async def resolve(
+        self,
+        job_id: UUID,
+        attempt_id: UUID,
+        resolution: Status,
+        evidence_summary: str,
+        recovery_run_id: str | UUID,
+    ) -> bool:
+        """Delivering -> Completed or OutcomeUnknown, with ResolvedByRecovery. The caller weighs the evidence;
+        Completed only when it matches the expected file."""
+        if resolution not in _RESOLUTIONS:
+            # The statement refuses it too; failing here says why instead of matching nothing.
+            raise ValueError(f"recovery resolves only to Completed or OutcomeUnknown, not {resolution}")
+        return await self._takeover(
+            "recovery_resolve",
+            job_id=job_id,
+            expired_attempt_id=attempt_id,
+            resolution=resolution.value,
+            evidence_summary=evidence_summary,
+            recovery_run_id=str(recovery_run_id),
+        )
+
+    async def take_over_running(self, candidate: Candidate, recovery_run_id: str | UUID) -> str | None:
+        """The takeover a Running candidate calls for; the event kind it recorded, or None if it matched
+        nothing (renewed, finished, stopped or authorized since the scan). The choice is made from the scan, but
+        each statement re-checks its own conditions, so a stale choice only matches nothing and the next run
+        decides again."""
+        if candidate.status is not Status.RUNNING:
+            raise ValueError(f"export {candidate.job_id} was nominated {candidate.status}, not Running")
+        if candidate.stop_request_id is not None:
+            kind, done = STOPPED, await self.stop(candidate.job_id, candidate.attempt_id, recovery_run_id)
+        elif candidate.attempt_count >= self.max_attempts:
+            kind, done = (
+                EXHAUSTED,
+                await self.exhaust(candidate.job_id, candidate.attempt_id, recovery_run_id),
+            )
+        else:
+            kind, done = REQUEUED, await self.requeue(candidate.job_id, candidate.attempt_id)
+        if not done:
+            log.info(
+                "takeover %s of export %s attempt %s matched nothing",
+                kind,
+                candidate.job_id,
+                candidate.attempt_id,
+            )
+            return None
+        log.info(
+            "recovery %s took over export %s attempt %s: %s",
+            recovery_run_id,
+            candidate.job_id,
+            candidate.attempt_id,
+            kind,
+        )
+        return kind
+
+    async def _takeover(self, name: str, **params: object) -> bool:
+        changed = await write(self.engine, name, **params)
+        if changed > 1:
+            # Impossible: each statement names one job by its primary key.
+            raise RuntimeError(f"{name} changed {changed} rows")
+        return changed == 1

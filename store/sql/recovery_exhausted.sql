@@ -1,0 +1,11 @@
+-- An expired Running attempt that has used up its attempts fails, so a job that kills its worker every time is
+-- not requeued forever.
+WITH exhausted AS (
+    UPDATE export_jobs
+    SET status = 'Failed', failure_reason = 'AttemptsExhausted', lease_expires_at = NULL
+    WHERE id = :job_id AND status = 'Running' AND attempt_id = :expired_attempt_id
+      AND stop_request_id IS NULL AND attempt_count >= :max_attempts
+      AND lease_expires_at < clock_timestamp()
+    RETURNING id, attempt_id)
+INSERT INTO export_attempt_events (job_id, attempt_id, kind, observed_by, recorded_at)
+SELECT id, attempt_id, 'AttemptsExhausted', :recovery_run_id, clock_timestamp() FROM exhausted;

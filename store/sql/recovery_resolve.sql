@@ -1,0 +1,14 @@
+-- An expired Delivering attempt is resolved from evidence, never stopped, canceled or retried. The caller
+-- decides :resolution first: 'Completed' only on evidence matching the expected file, otherwise
+-- 'OutcomeUnknown'. The still-expired lease condition lets a renewal during recovery's lookup prevent this.
+WITH resolved AS (
+    UPDATE export_jobs
+    SET status = :resolution, lease_expires_at = NULL
+    WHERE id = :job_id AND status = 'Delivering' AND attempt_id = :expired_attempt_id
+      AND lease_expires_at < clock_timestamp()
+      AND :resolution IN ('Completed', 'OutcomeUnknown')
+    RETURNING id, attempt_id, status)
+INSERT INTO export_attempt_events (job_id, attempt_id, kind, observed_by, detail, recorded_at)
+SELECT id, attempt_id, 'ResolvedByRecovery', :recovery_run_id, status || ': ' || :evidence_summary,
+       clock_timestamp()
+FROM resolved;
