@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from uuid import UUID
 
-from pydantic import BaseModel, Field
+from pydantic import AliasChoices, BaseModel, Field
 
 from store.models import (
     AuthorizationResult,
@@ -52,11 +52,13 @@ class Wake(BaseModel):
 
 
 class CancelRequest(BaseModel):
-    """The `cancel` signal's payload, from the CLI or sent raw from the Temporal UI or CLI."""
+    """The `cancel` signal's payload, from the CLI or sent raw from the Temporal UI or CLI, e.g.
+    {"request_id": "…", "tenant": "…", "operator": "ann@example.com", "reason": "wrong list"}."""
 
     request_id: UUID
-    tenant_id: UUID
-    requested_by: str = Field(min_length=1, max_length=MAX_NAME)
+    tenant_id: UUID = Field(validation_alias=AliasChoices("tenant_id", "tenant"))
+    requested_by: str = Field(min_length=1, max_length=MAX_NAME,
+                              validation_alias=AliasChoices("requested_by", "operator"))
     reason: str | None = Field(default=None, max_length=MAX_REASON)
 
 
@@ -88,6 +90,8 @@ class AttemptInput(BaseModel):
 
 class BuildOutput(BaseModel):
     file: BuiltFile | None = None
+    # The worker that holds the file: cutoff 2 and the delivery run on its task queue.
+    worker_task_queue: str | None = None
     # Why there is no file, when there is none: Stopped, BuildFailed, or LostOwnership.
     ended: str | None = None
 

@@ -11,7 +11,7 @@ from uuid import UUID
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities import partner
+from activities import checkpoints, partner
 from activities.builder import BuildError, build_contacts_csv, remove_local_file
 from activities.contracts import (
     AttemptInput,
@@ -28,6 +28,7 @@ from activities.contracts import (
     Evaluation,
 )
 from activities.lease import LeaseKeeper
+from activities.stop_watch import StopWatch
 from store import errors
 from store.db import asyncpg_dsn
 from store.jobs import JobStore
@@ -55,6 +56,7 @@ class ExportActivities:
         self.settings = settings
         self.worker_id = worker_id
         self.worker_task_queue = worker_task_queue
+        self.checkpoints = checkpoints.Checkpoints()
 
     def all(self) -> list[Any]:
         return [
@@ -112,6 +114,7 @@ class ExportActivities:
 
     @activity.defn
     async def claim(self, request: ClaimInput) -> ClaimOutput:
+        await self.checkpoints.reached(checkpoints.CLAIM, request.job_id)
         result = await self.store.claim(request.job_id, request.checked_version, request.attempt_id, self.worker_id)
         return ClaimOutput(
             result=result, worker_task_queue=self.worker_task_queue, lease_seconds=self.settings.lease_seconds
@@ -143,6 +146,8 @@ class ExportActivities:
 
     @activity.defn
     async def build(self, request: AttemptInput) -> BuildOutput:
+        """Build the file, with the lease kept and stop requests heard. Also how a build resumes elsewhere
+        after its worker was lost: it first renews, which succeeds only while no takeover has committed."""
         job, attempt_id = request.job, request.attempt_id
         path = Path(self.settings.work_dir) / f"{job.id}-{attempt_id}.csv"
         progress = {"bytes": 0}
@@ -154,34 +159,47 @@ class ExportActivities:
             if build_task is not None:
                 build_task.cancel()
 
+        def on_stop() -> None:
+            if build_task is not None:
+                build_task.cancel()
+
         async with self._keeper(request, on_lost=on_lost, details=lambda: dict(progress)) as lease:
+            if not await lease.renew_now():
+                return BuildOutput(ended="LostOwnership")  # write nothing: another attempt owns the row now
             try:
-                size, sha256_hex = await build_contacts_csv(
-                    asyncpg_dsn(self.settings.database_url),
-                    job.tenant_id,
-                    path,
-                    on_progress=lambda size: progress.update(bytes=size),
-                    throttle_bytes_per_second=self.settings.build_throttle_bytes_per_second,
-                )
+                async with StopWatch(self.store, asyncpg_dsn(self.settings.database_url), job.id, attempt_id,
+                                     on_stop):
+                    await self.checkpoints.reached(checkpoints.BUILD_STARTED, job.id)
+                    size, sha256_hex = await build_contacts_csv(
+                        asyncpg_dsn(self.settings.database_url),
+                        job.tenant_id,
+                        path,
+                        on_progress=lambda size: progress.update(bytes=size),
+                        throttle_bytes_per_second=self.settings.build_throttle_bytes_per_second,
+                    )
             except asyncio.CancelledError:
                 await lease.finish()
                 if lost.is_set():
-                    return BuildOutput(ended="LostOwnership")  # write nothing: another attempt owns the row
-                # A stop request, a terminated workflow or a shutdown: only a recorded stop request is a Stop.
-                stopped = await self.store.finish_stopped(job.id, attempt_id, "WhileBuilding")
-                if stopped:
+                    return BuildOutput(ended="LostOwnership")
+                # A stop request, a terminated workflow or a shutdown: only a recorded stop request is a Stop,
+                # and only this attempt's; anything else leaves the row for recovery.
+                if await self.store.finish_stopped(job.id, attempt_id, "WhileBuilding"):
                     return BuildOutput(ended="Stopped")
                 raise
             except BuildError as exc:
                 await self.store.finish_failed(job.id, attempt_id, FailureCode.BUILD_FAILED, str(exc))
                 await lease.finish()
                 return BuildOutput(ended="BuildFailed")
-        return BuildOutput(file=BuiltFile(path=str(path), final_name=job.final_name, size=size, sha256_hex=sha256_hex))
+        return BuildOutput(
+            file=BuiltFile(path=str(path), final_name=job.final_name, size=size, sha256_hex=sha256_hex),
+            worker_task_queue=self.worker_task_queue,
+        )
 
     @activity.defn
     async def authorize_delivery(self, request: AuthorizeInput) -> AuthorizeOutput:
         """Cutoff 2, and what its refusal means. The file is removed unless delivery was authorized."""
         job, attempt_id, file = request.job, request.attempt_id, request.file
+        await self.checkpoints.reached(checkpoints.BEFORE_CUTOFF_2, job.id)
         result = await self.store.authorize_delivery(job, attempt_id, file)
         if result is AuthorizationResult.LEASE_LAPSED and await self.store.renew_lease(job.id, attempt_id):
             # Still the owner, only late: the renewal succeeds only if no takeover committed. Retry once.
@@ -197,8 +215,20 @@ class ExportActivities:
 
     @activity.defn
     async def deliver(self, request: DeliverInput) -> DeliverOutput:
-        """Past the point of no return: stop requests are recorded, not obeyed, and a lost lease does not stop
-        the upload. Evidence first, then the conditional terminal write for this attempt only."""
+        """Past the point of no return: stop requests are recorded, not obeyed, a lost lease does not stop the
+        upload, and neither does the activity's cancellation (a terminated workflow, a shutdown): the upload
+        runs shielded to its end, so that its evidence and terminal write are made."""
+        delivery = asyncio.ensure_future(self._deliver(request))
+        while True:
+            try:
+                return await asyncio.shield(delivery)
+            except asyncio.CancelledError:
+                if delivery.done():
+                    raise
+                log.warning("export %s: cancellation during delivery is ignored; the upload finishes",
+                            request.job.id)
+
+    async def _deliver(self, request: DeliverInput) -> DeliverOutput:
         job, attempt_id, file = request.job, request.attempt_id, request.file
         destination = await self.store.read_destination(job.tenant_id, job.destination_id)
         progress = {"sent": 0, "total": file.size}
@@ -209,6 +239,7 @@ class ExportActivities:
 
         try:
             async with self._keeper(request, details=lambda: dict(progress)) as lease:
+                await self.checkpoints.reached(checkpoints.BEFORE_UPLOAD, job.id)
                 if destination is None:
                     result = partner.DeliveryResult(
                         outcome="Failed", failure_reason="NotDelivered", summary="destination vanished before upload"
@@ -223,6 +254,7 @@ class ExportActivities:
                         on_progress=lambda sent, total: progress.update(sent=sent),
                         throttle_bytes_per_second=self.settings.upload_throttle_bytes_per_second,
                     )
+                await self.checkpoints.reached(checkpoints.AFTER_RECEIPT, job.id)
                 outcome = Status(result.outcome)
                 failure = FailureCode(result.failure_reason) if result.failure_reason else None
                 written = await self.store.finish_delivery(job.id, attempt_id, outcome, failure, result.summary)
@@ -233,7 +265,6 @@ class ExportActivities:
             log.warning("terminal write of %s attempt %s matched nothing; recovery reconciles from evidence",
                         job.id, attempt_id)
         return DeliverOutput(outcome=outcome, failure_reason=failure, summary=result.summary, written=written)
-
 
 def _uuid(value: str) -> UUID:
     try:

@@ -139,7 +139,7 @@ class JobStore:
                 raise
             log.warning("claim of %s for attempt %s is uncertain: %s", job_id, attempt_id, exc)
         try:
-            row = await self._bounded_reread("authorize_delivery_reread", job_id=job_id)
+            row = await self._bounded_reread("ownership_reread", job_id=job_id)
         except Exception as exc:
             if not (errors.is_uncertain(exc) or isinstance(exc, TimeoutError)):
                 raise
@@ -176,7 +176,7 @@ class JobStore:
                 raise
             log.warning("cutoff 2 of %s for attempt %s is uncertain: %s", job.id, attempt_id, exc)
         try:
-            row = await self._bounded_reread("authorize_delivery_reread", job_id=job.id)
+            row = await self._bounded_reread("ownership_reread", job_id=job.id)
         except Exception as exc:
             if not (errors.is_uncertain(exc) or isinstance(exc, TimeoutError)):
                 raise

@@ -8,15 +8,18 @@ own state, and returns the row's state once it needs no attempt.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
 from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
+    from pydantic import ValidationError
+
     from activities.contracts import (
         AttemptInput,
         AuthorizeInput,
@@ -49,7 +52,11 @@ _SHORT: dict[str, Any] = {
 # Without a wake-up, the workflow still looks at the row this often.
 _IDLE_RECHECK = timedelta(minutes=5)
 _UNCONFIRMED_CLAIM_RETRY = timedelta(seconds=5)
+# A build whose worker is lost resumes elsewhere this many times, each only while its lease renewal matches.
+_BUILD_RESUMPTIONS = 3
 _STOP_OUTCOMES = (CancellationOutcome.STOP_REQUESTED, CancellationOutcome.STOP_ALREADY_REQUESTED)
+# Temporal's cancel of a run becomes one stop request, the same one however often the cancel is repeated.
+_TEMPORAL_CANCEL = uuid.UUID("5d0c7f3e-5e1b-4c52-9a4b-7d2f3c1e0a11")
 
 
 @workflow.defn
@@ -60,6 +67,8 @@ class ExportWorkflow:
         self._woken = False
         self._cancels: list[CancelRequest] = []
         self._cancel_in_flight = False
+        self._rejected_signals: list[str] = []
+        self._temporal_cancel = False
         self._stop_seen = False
         self._build: workflow.ActivityHandle[BuildOutput] | None = None
 
@@ -71,7 +80,16 @@ class ExportWorkflow:
             self._woken = True
 
     @workflow.signal
-    def cancel(self, request: CancelRequest) -> None:
+    def cancel(self, payload: Any) -> None:
+        """A cancellation request. Typed loosely on purpose: a payload typed by hand in the UI that does not
+        validate is rejected here, visibly (log and the `rejected_signals` query), and records nothing."""
+        try:
+            request = CancelRequest.model_validate(payload)
+        except ValidationError as exc:
+            problem = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'payload'}: {e['msg']}" for e in exc.errors())
+            self._rejected_signals.append(f"cancel rejected, nothing recorded: {problem}")
+            workflow.logger.warning("cancel signal rejected, nothing recorded: %s", problem)
+            return
         self._cancels.append(request)
 
     @workflow.query
@@ -79,8 +97,37 @@ class ExportWorkflow:
         """The export's row as this workflow last read it."""
         return self._row
 
+    @workflow.query
+    def rejected_signals(self) -> list[str]:
+        return list(self._rejected_signals)
+
     @workflow.run
     async def run(self, request: ExportInput) -> ExportResult:
+        # Temporal's cancel must not cancel an attempt's steps (least of all a delivery): it becomes a stop
+        # request, decided under the row lock like any other, and the run goes on to the row's final state.
+        drive = asyncio.create_task(self._drive(request))
+        while True:
+            try:
+                return await asyncio.shield(drive)
+            except asyncio.CancelledError:
+                if drive.done():
+                    raise
+                self._temporal_cancel = True
+                self._request_stop_for_temporal_cancel()
+
+    def _request_stop_for_temporal_cancel(self) -> None:
+        if self._row is None or not self._temporal_cancel:
+            return
+        self._temporal_cancel = False
+        info = workflow.info()
+        self._cancels.append(CancelRequest(
+            request_id=uuid.uuid5(_TEMPORAL_CANCEL, info.run_id),
+            tenant_id=self._row.tenant_id,
+            requested_by="temporal-cancel",
+            reason=f"Temporal cancel of workflow {info.workflow_id}, run {info.run_id}",
+        ))
+
+    async def _drive(self, request: ExportInput) -> ExportResult:
         if request.create is not None:
             await workflow.execute_activity(
                 "create_export", request.create, summary=f"create, key {request.create.delivery_key}", **_SHORT
@@ -111,6 +158,7 @@ class ExportWorkflow:
         if row is None:
             raise ApplicationError("no export with this ID", type="ExportNotFound", non_retryable=True)
         previous, self._row = self._row, row
+        self._request_stop_for_temporal_cancel()
         if previous is None or (previous.status, previous.attempt_count) != (row.status, row.attempt_count):
             workflow.upsert_search_attributes(
                 [
@@ -140,35 +188,18 @@ class ExportWorkflow:
             return True
 
         lease = timedelta(seconds=claim.lease_seconds)
-        on_worker: dict[str, Any] = {
-            "task_queue": claim.worker_task_queue,
-            # The file lives on that worker; if it is gone, the row is left to recovery.
-            "schedule_to_start_timeout": lease,
-            "retry_policy": RetryPolicy(maximum_attempts=1),
-        }
         attempt = AttemptInput(job=row, attempt_id=attempt_id)
-        self._build = workflow.start_activity(
-            "build",
-            attempt,
-            result_type=BuildOutput,
-            start_to_close_timeout=timedelta(hours=6),
-            heartbeat_timeout=lease,
-            cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
-            summary="build contacts CSV",
-            **on_worker,
-        )
-        if self._stop_seen:
-            self._build.cancel()
-        try:
-            built = await self._build
-        except ActivityError:
-            return True
-        finally:
-            self._build = None
-        if built.file is None:
+        built = await self._build_file(attempt, claim.worker_task_queue, lease)
+        if built is None or built.file is None:
             return True
 
         file = built.file
+        # The file lives on the worker that built it; if that worker is gone, the row is left to recovery.
+        on_worker: dict[str, Any] = {
+            "task_queue": built.worker_task_queue,
+            "schedule_to_start_timeout": lease,
+            "retry_policy": RetryPolicy(maximum_attempts=1),
+        }
         authorized: AuthorizeOutput = await workflow.execute_activity(
             "authorize_delivery",
             AuthorizeInput(job=row, attempt_id=attempt_id, file=file),
@@ -193,6 +224,36 @@ class ExportWorkflow:
             pass  # never a second upload: the row stays Delivering and recovery resolves it
         return True
 
+    async def _build_file(self, attempt: AttemptInput, queue: str, lease: timedelta) -> BuildOutput | None:
+        """Build on the claiming worker; if that worker is lost (it never starts the build, or stops
+        heartbeating), resume on any worker under the same attempt. Each build first renews the lease, which
+        fails once a takeover has committed, so a resumed build never competes with recovery."""
+        for resumption in range(_BUILD_RESUMPTIONS + 1):
+            self._build = workflow.start_activity(
+                "build",
+                attempt,
+                result_type=BuildOutput,
+                task_queue=queue,
+                start_to_close_timeout=timedelta(hours=6),
+                schedule_to_start_timeout=lease,
+                heartbeat_timeout=lease,
+                retry_policy=RetryPolicy(maximum_attempts=1),
+                cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+                summary="build contacts CSV" if resumption == 0 else f"build contacts CSV, resumed ({resumption})",
+            )
+            if self._stop_seen:
+                self._build.cancel()
+            try:
+                return await self._build
+            except ActivityError as err:
+                if not isinstance(err.cause, TimeoutError):
+                    return None  # the build ended in a way the row records (or recovery will)
+                workflow.logger.warning("build of %s lost its worker; resuming elsewhere", attempt.job.id)
+                queue = workflow.info().task_queue
+            finally:
+                self._build = None
+        return None
+
     async def _serve_cancellations(self) -> None:
         while True:
             await workflow.wait_condition(lambda: bool(self._cancels))
@@ -216,7 +277,7 @@ class ExportWorkflow:
             self._woken = True
 
 
-def _size(size: int) -> str:
+def _size(size: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if size < 1000 or unit == "GB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
