@@ -15,17 +15,22 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
+from pathlib import Path
 
 from temporalio.client import Client
 from temporalio.worker import Worker
 
+from activities.checkpoints import checkpoints_for
 from activities.exports import ExportActivities
+from activities.recovery import RecoveryActivities
 from starter.dispatcher import OutboxDispatcher
 from starter.temporal import connect_temporal
 from store.db import asyncpg_dsn, make_engine
 from store.jobs import JobStore
+from store.recovery import Recovery
 from store.settings import Settings, get_settings
 from workflows.export import ExportWorkflow
+from workflows.recovery import RecoveryWorkflow, SweeperWorkflow
 
 log = logging.getLogger("exports.worker")
 
@@ -49,13 +54,15 @@ async def running_worker(
     worker_id = settings.worker_id or new_worker_id()
     own_queue = f"{settings.task_queue}-{worker_id}"
     activities = ExportActivities(store, settings, worker_id=worker_id, worker_task_queue=own_queue)
+    activities.checkpoints = checkpoints_for(settings.hold_at, Path(settings.work_dir))
+    recovery = RecoveryActivities(store, Recovery(engine, max_attempts=settings.max_attempts), client=client)
     # Cancellation reaches an activity only with a heartbeat the SDK sends: keep them frequent (FACTS.md).
     throttle = timedelta(seconds=settings.heartbeat_throttle_seconds)
     shared = Worker(
         client,
         task_queue=settings.task_queue,
-        workflows=[ExportWorkflow],
-        activities=activities.all(),
+        workflows=[ExportWorkflow, RecoveryWorkflow, SweeperWorkflow],
+        activities=activities.all() + recovery.all(),
         max_heartbeat_throttle_interval=throttle,
         default_heartbeat_throttle_interval=throttle,
     )

@@ -6,7 +6,12 @@ In production every checkpoint passes at once. A test replaces `ExportActivities
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from pathlib import Path
 from uuid import UUID
+
+log = logging.getLogger(__name__)
 
 CLAIM = "claim"                      # before the claim statement
 BUILD_STARTED = "build_started"      # the build activity has renewed its lease and is about to build
@@ -18,3 +23,25 @@ AFTER_RECEIPT = "after_receipt"      # the partner confirmed the file; the termi
 class Checkpoints:
     async def reached(self, name: str, job_id: UUID) -> None:
         return None
+
+
+class HoldingCheckpoints(Checkpoints):
+    """Holds forever at the named points, after leaving a marker file, so that a test can SIGKILL the worker
+    process exactly there. Set only through EXPORTS_HOLD_AT, for fault-injection runs; empty in production."""
+
+    def __init__(self, names: set[str], marker_dir: Path) -> None:
+        self.names = names
+        self.marker_dir = marker_dir
+
+    async def reached(self, name: str, job_id: UUID) -> None:
+        if name not in self.names:
+            return
+        self.marker_dir.mkdir(parents=True, exist_ok=True)
+        (self.marker_dir / f"held-{name}-{job_id}").touch()
+        log.warning("holding export %s at checkpoint %s (EXPORTS_HOLD_AT)", job_id, name)
+        await asyncio.Event().wait()
+
+
+def checkpoints_for(hold_at: str, marker_dir: Path) -> Checkpoints:
+    names = {name.strip() for name in hold_at.split(",") if name.strip()}
+    return HoldingCheckpoints(names, marker_dir) if names else Checkpoints()

@@ -121,3 +121,35 @@ class DeliverOutput(BaseModel):
 
 class CancelOutput(BaseModel):
     result: CancellationResult
+
+
+class RecoveryInput(BaseModel):
+    limit: int = Field(default=100, ge=1)
+
+
+class Candidate(BaseModel):
+    """An attempt nominated by recovery's scan: a hint that each takeover re-checks."""
+
+    job_id: UUID
+    attempt_id: UUID
+    status: Status
+    stop_request_id: UUID | None = None
+    attempt_count: int
+
+
+class TakeoverOutput(BaseModel):
+    job_id: UUID
+    # The event recovery recorded (RequeuedByRecovery, StoppedByRecovery, AttemptsExhausted, ResolvedByRecovery),
+    # or None when the takeover matched nothing (the attempt renewed, or moved on).
+    recorded: str | None = None
+    detail: str = ""
+
+
+class RecoveryReport(BaseModel):
+    nominated: int
+    taken_over: list[TakeoverOutput]
+
+
+class SweepInput(BaseModel):
+    threshold_seconds: float = Field(gt=0)
+    batch: int = Field(default=500, ge=1)

@@ -175,6 +175,13 @@ async def _listing(sftp: asyncssh.SFTPClient, path: str) -> RemoteFile:
     return RemoteFile(path=path, exists=True, size=attrs.size, mtime=attrs.mtime)
 
 
+async def list_final(dest: DestinationConfig, final_name: str, *, timeout: float = 10.0) -> RemoteFile:
+    """The final name as the partner shows it now, on a connection of its own (recovery's evidence)."""
+    async with asyncio.timeout(timeout):
+        async with connect(dest, connect_timeout=timeout) as sftp:
+            return await _listing(sftp, posixpath.join(dest.final_dir, final_name))
+
+
 def _describe(exc: BaseException) -> str:
     text = " ".join(f"{type(exc).__name__}: {exc}".split())
     return text[:300]

@@ -199,6 +199,38 @@ def _view_json(view: ExportView) -> dict[str, Any]:
             "cancellation_requests": view.cancellation_requests}
 
 
+schedules_app = typer.Typer(help="The Temporal Schedules that run recovery and the sweeper.")
+app.add_typer(schedules_app, name="schedules")
+
+
+@schedules_app.command("install")
+def schedules_install() -> None:
+    """Create the recovery and sweeper schedules, or update them to the current settings."""
+    from starter.schedules import install_schedules
+
+    async def main() -> dict[str, str]:
+        settings = get_settings()
+        return await install_schedules(await connect_temporal(settings), settings)
+
+    for schedule_id, done in asyncio.run(main()).items():
+        console.print(f"{schedule_id}: {done}")
+
+
+@app.command("list")
+def list_exports(
+    status: Optional[str] = typer.Option(None, help="only exports in this state, as Temporal's search shows it"),
+    tenant: Optional[str] = typer.Option(None, help="only this tenant's exports"),
+    limit: int = typer.Option(50, min=1, max=1000),
+) -> None:
+    """Exports as the Temporal UI lists them (search attributes), with the row's state beside each."""
+    rows = _run(lambda c: c.list(status=status, tenant_id=tenant, limit=limit), temporal=True)
+    table = Table("job", "tenant", "status (Temporal)", "status (row)", "attempts", "delivery key")
+    for listed, row in rows:
+        table.add_row(str(listed.job_id), str(listed.tenant_id), listed.status,
+                      row.status.value if row else "?", str(listed.attempts), listed.delivery_key)
+    console.print(table)
+
+
 @app.command()
 def worker() -> None:
     """Run a worker: the workflows, the activities and the outbox dispatcher."""

@@ -16,6 +16,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.contracts import MAX_NAME, MAX_REASON, CancelRequest, CreateExport, ExportInput, ExportResult
 from starter.temporal import workflow_id
+from workflows.export import DELIVERY_KEY, EXPORT_ATTEMPTS, EXPORT_STATUS, EXPORT_TENANT
 from store import errors
 from store.db import make_engine
 from store.jobs import JobStore
@@ -88,6 +89,17 @@ def _validated(model: type, what: str, **values: Any):
         if first["type"] == "string_pattern_mismatch":
             message = "only letters, digits, '.', '_' and '-' are allowed, starting with a letter or digit"
         raise InputError(f"{what}: {field_name.replace('_', ' ')}: {message}") from None
+
+
+@dataclass
+class ListedExport:
+    """One export as Temporal's visibility (the UI's list) shows it."""
+
+    job_id: uuid.UUID
+    tenant_id: str
+    status: str
+    attempts: int
+    delivery_key: str
 
 
 @dataclass
@@ -343,6 +355,34 @@ class ExportsClient:
             yield engine
         finally:
             await engine.dispose()
+
+    async def list(
+        self, *, status: str | None = None, tenant_id: str | uuid.UUID | None = None, limit: int = 50
+    ) -> list[tuple[ListedExport, JobRow | None]]:
+        """Export workflows by their search attributes, newest first, each with its row as it stands."""
+        clauses = ["WorkflowType = 'ExportWorkflow'"]
+        if status is not None:
+            if status not in Status.__members__.values():
+                raise InputError(f"status {status!r} is not one of {', '.join(Status)}")
+            clauses.append(f"ExportStatus = '{status}'")
+        if tenant_id is not None:
+            clauses.append(f"ExportTenant = '{parse_id(tenant_id, 'tenant ID')}'")
+        found: dict[uuid.UUID, ListedExport] = {}
+        async for execution in self._temporal().list_workflows(" AND ".join(clauses), limit=limit * 2):
+            attributes = execution.typed_search_attributes
+            job_id = uuid.UUID(execution.id.removeprefix("export-"))
+            if job_id in found:  # an earlier run of the same export; the newest comes first
+                continue
+            found[job_id] = ListedExport(
+                job_id=job_id,
+                tenant_id=attributes.get(EXPORT_TENANT) or "",
+                status=attributes.get(EXPORT_STATUS) or "",
+                attempts=attributes.get(EXPORT_ATTEMPTS) or 0,
+                delivery_key=attributes.get(DELIVERY_KEY) or "",
+            )
+            if len(found) == limit:
+                break
+        return [(listed, await self.store.read_job(listed.job_id)) for listed in found.values()]
 
     def _temporal(self) -> Client:
         if self.temporal is None:

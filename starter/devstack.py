@@ -29,6 +29,7 @@ from starter.localstack.partner import LocalPartner
 from starter.localstack.postgres import LocalPostgres
 from starter.localstack.seed import seed_contacts, seed_destination
 from starter.localstack.temporal import LocalTemporal
+from starter.schedules import install_schedules
 from starter.temporal import connect_temporal
 from store.db import asyncpg_dsn, migrate
 from store.models import CancellationOutcome, JobRow, Status
@@ -87,6 +88,7 @@ async def run_dev() -> int:
             queued.cancel_outcome = (await _cancel(client, queued)).outcome
 
             worker = await _start_worker(settings)
+            await install_schedules(client.temporal, settings)
             console.print(f"worker pid {worker.pid}; Temporal UI: [link]{temporal.ui_url}[/link]")
             exports = await _run_demo(client, destinations, [queued])
             ok = await _verify(exports, partner.root, postgres)

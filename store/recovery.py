@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 # The event each Running takeover records; take_over_running returns the one that committed.
 REQUEUED = "RequeuedByRecovery"
 STOPPED = "StoppedByRecovery"
+RESOLVED = "ResolvedByRecovery"
 EXHAUSTED = "AttemptsExhausted"
 
 _RESOLUTIONS = (Status.COMPLETED, Status.OUTCOME_UNKNOWN)

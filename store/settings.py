@@ -38,8 +38,14 @@ class Settings(BaseSettings):
     reread_timeout_seconds: float = Field(5.0, gt=0)
     dispatcher_poll_seconds: float = Field(2.0, gt=0)
     sweeper_threshold_seconds: float = Field(1800.0, gt=0)
+    sweeper_interval_seconds: float = Field(60.0, ge=1)
+    sweeper_batch: int = Field(500, ge=1)
+    recovery_interval_seconds: float = Field(30.0, ge=1)
+    recovery_batch: int = Field(100, ge=1)
 
     work_dir: Path = Path(".exports/work")
+    # Fault injection only: checkpoints (activities/checkpoints.py) where a worker holds, for a test to kill it.
+    hold_at: str = ""
     # Pacing for demos and long-work tests; 0 means unthrottled.
     build_throttle_bytes_per_second: int = Field(0, ge=0)
     upload_throttle_bytes_per_second: int = Field(0, ge=0)

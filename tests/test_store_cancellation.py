@@ -11,7 +11,6 @@ import pytest
 from store.models import CancellationOutcome, ClaimResult, JobRow, Status
 from store.schema import export_jobs
 from store.statements import SQL_DIR, statement
-from tests.store_states import drive
 from tests.support import create_job, eventually, seed_tenant
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import sys
 import uuid
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -10,7 +13,8 @@ from pathlib import Path
 
 from temporalio.client import Client
 
-from activities.contracts import ExportResult
+from activities.contracts import ExportResult, RecoveryInput, RecoveryReport
+from activities.exports import ExportActivities
 from starter.client import ExportsClient
 from starter.localstack.partner import LocalPartner
 from store.jobs import JobStore
@@ -32,6 +36,8 @@ class Harness:
     tenant_id: uuid.UUID
     destination_id: uuid.UUID
     exports: ExportsClient
+    # The in-process worker's activities (None without one): a test may replace `.checkpoints` to hold them.
+    activities: ExportActivities | None = None
 
     async def store_create(self) -> uuid.UUID:
         """Creation as the starter does it: the row and its outbox row; the dispatcher does the rest."""
@@ -52,7 +58,8 @@ class Harness:
 
 
 async def open_harness(stack: AsyncExitStack, db, store: JobStore, client: Client, tmp_path: Path, *,
-                       dispatcher: bool = True, contacts: int = 200, **overrides: object) -> Harness:
+                       dispatcher: bool = True, in_process_worker: bool = True, contacts: int = 200,
+                       **overrides: object) -> Harness:
     partner = LocalPartner(tmp_path / "partner")
     await partner.start()
     stack.push_async_callback(partner.stop)
@@ -60,8 +67,61 @@ async def open_harness(stack: AsyncExitStack, db, store: JobStore, client: Clien
     tenant_id, destination_id = await seed_tenant(db.admin, contacts=contacts, destination=dict(
         host=dest.host, port=dest.port, username=dest.username, final_dir=dest.final_dir, temp_dir=dest.temp_dir,
         host_key=dest.host_key, credential_ref=dest.credential_ref))
-    settings = db.settings(task_queue=f"exports-{uuid.uuid4().hex[:10]}", work_dir=tmp_path / "work", **overrides)
-    await stack.enter_async_context(running_worker(settings, client, with_dispatcher=dispatcher))
+    settings = db.settings(task_queue=f"exports-{uuid.uuid4().hex[:10]}", work_dir=tmp_path / "work",
+                           temporal_address=client.service_client.config.target_host, **overrides)
+    activities = None
+    if in_process_worker:
+        activities = await stack.enter_async_context(running_worker(settings, client, with_dispatcher=dispatcher))
     exports = ExportsClient(store, client, task_queue=settings.task_queue)
     return Harness(db=db, store=store, client=client, partner=partner, settings=settings, tenant_id=tenant_id,
-                   destination_id=destination_id, exports=exports)
+                   destination_id=destination_id, exports=exports, activities=activities)
+
+
+class WorkerProcess:
+    """A real worker process (`python -m worker`) for crash tests: SIGKILL is a real crash."""
+
+    def __init__(self, settings: Settings, **overrides: object) -> None:
+        self.settings = settings.model_copy(update=overrides)
+        self.process: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> WorkerProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EXPORTS_")}
+        for name, value in self.settings.model_dump().items():
+            env[f"EXPORTS_{name.upper()}"] = str(value)
+        log_path = Path(self.settings.work_dir) / f"worker-{uuid.uuid4().hex[:6]}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log_file:
+            self.process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "worker", env=env, stdout=log_file, stderr=log_file,
+                stdin=asyncio.subprocess.DEVNULL, cwd=str(Path(__file__).resolve().parents[1]))
+        self.log_path = log_path
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no final writes, exactly like a crash."""
+        if self.process is not None and self.process.returncode is None:
+            self.process.send_signal(signal.SIGKILL)
+
+    async def stop(self) -> None:
+        if self.process is None or self.process.returncode is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.process.wait(), timeout=15)
+        except asyncio.TimeoutError:
+            self.process.kill()
+            await self.process.wait()
+
+
+async def held_at(settings: Settings, checkpoint: str, job_id: uuid.UUID, timeout: float = 30.0) -> None:
+    """Wait until a worker process started with hold_at=checkpoint holds this export there."""
+    marker = Path(settings.work_dir) / f"held-{checkpoint}-{job_id}"
+    await eventually(lambda: asyncio.sleep(0, marker.exists()), bool, timeout=timeout,
+                     what=f"export {job_id} held at {checkpoint}")
+
+
+async def run_recovery(client: Client, settings: Settings) -> RecoveryReport:
+    """One recovery run, as its schedule starts it, on the test's task queue."""
+    return await client.execute_workflow(
+        "RecoveryWorkflow", RecoveryInput(limit=settings.recovery_batch), id=f"recovery-{uuid.uuid4().hex[:8]}",
+        task_queue=settings.task_queue, result_type=RecoveryReport)

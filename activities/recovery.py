@@ -1,0 +1,89 @@
+"""Recovery's and the sweeper's activities: nominate expired attempts, take each over with its own conditional
+statement, resolve Delivering attempts from destination evidence, and tell the export workflow what changed."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from temporalio import activity
+from temporalio.client import Client
+
+from activities import evidence, partner
+from activities.contracts import Candidate, RecoveryInput, SweepInput, TakeoverOutput, Wake
+from activities.exports import destination_config
+from store.jobs import JobStore
+from store.models import JobRow, Status
+from store.recovery import Candidate as StoreCandidate
+from store.recovery import RESOLVED, Recovery
+from store.sweeper import sweep_all
+
+log = logging.getLogger(__name__)
+
+
+class RecoveryActivities:
+    def __init__(self, store: JobStore, recovery: Recovery, *, client: Client | None = None) -> None:
+        self.store = store
+        self.recovery = recovery
+        self._client = client
+
+    def all(self) -> list[Any]:
+        return [self.nominate_expired, self.take_over, self.sweep]
+
+    @activity.defn
+    async def nominate_expired(self, request: RecoveryInput) -> list[Candidate]:
+        found = await self.recovery.nominate(request.limit)
+        return [Candidate(job_id=c.job_id, attempt_id=c.attempt_id, status=c.status,
+                          stop_request_id=c.stop_request_id, attempt_count=c.attempt_count) for c in found]
+
+    @activity.defn
+    async def take_over(self, candidate: Candidate) -> TakeoverOutput:
+        run_id = activity.info().workflow_run_id
+        if candidate.status is Status.RUNNING:
+            recorded = await self.recovery.take_over_running(StoreCandidate(**candidate.model_dump()), run_id)
+            detail = ""
+        else:
+            recorded, detail = await self._resolve_delivering(candidate, run_id)
+        if recorded is not None:
+            log.info("recovery %s: %s for %s attempt %s %s", run_id, recorded, candidate.job_id,
+                     candidate.attempt_id, detail)
+            await self._wake(candidate.job_id)
+        return TakeoverOutput(job_id=candidate.job_id, recorded=recorded, detail=detail)
+
+    async def _resolve_delivering(self, candidate: Candidate, run_id: str) -> tuple[str | None, str]:
+        row = await self.store.read_job(candidate.job_id)
+        if row is None or row.status is not Status.DELIVERING or row.attempt_id != candidate.attempt_id:
+            return None, "moved on since the scan"
+        events, _ = await self.store.history(row.id)
+        listing = await self._listing(row)
+        resolution, summary = evidence.judge(row, evidence.attempt_evidence(events, row.attempt_id), listing)
+        # Recovery's own look at the destination is evidence too; reconciliation reads it later.
+        await self.store.append_evidence(row.id, row.attempt_id, f"recovery/{run_id}", {
+            "step": "recovery_listing", "final": listing.model_dump() if listing else None,
+            "resolution": resolution.value, "summary": summary})
+        changed = await self.recovery.resolve(row.id, row.attempt_id, resolution, summary, run_id)
+        return (RESOLVED if changed else None), summary
+
+    async def _listing(self, row: JobRow) -> partner.RemoteFile | None:
+        destination = await self.store.read_destination(row.tenant_id, row.destination_id)
+        if destination is None or row.expected_file_name is None:
+            return None
+        try:
+            return await partner.list_final(destination_config(destination), row.expected_file_name)
+        except Exception as exc:
+            log.warning("recovery could not list %s for %s: %s", row.expected_file_name, row.id, exc)
+            return None
+
+    async def _wake(self, job_id: uuid.UUID) -> None:
+        """Tell the export's workflow to read its row again; the row, not this message, says what happened."""
+        try:
+            client = self._client or activity.client()
+            await client.get_workflow_handle(f"export-{job_id}").signal("wake", Wake(message_id=uuid.uuid4()))
+        except Exception as exc:  # no running workflow: it will read the row when it next runs
+            log.info("could not wake the workflow of %s: %s", job_id, exc)
+
+    @activity.defn
+    async def sweep(self, request: SweepInput) -> int:
+        return await sweep_all(self.store.engine, threshold_seconds=request.threshold_seconds,
+                               batch=request.batch)

@@ -1,0 +1,49 @@
+"""RecoveryWorkflow and SweeperWorkflow, each started by a Temporal Schedule that never runs two at once.
+
+Recovery nominates expired attempts and takes each over with its own activity (one conditional statement per
+case), so the UI shows what it did to which export. The sweeper republishes queued jobs whose wake-up is old.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+
+with workflow.unsafe.imports_passed_through():
+    from activities.contracts import Candidate, RecoveryInput, RecoveryReport, SweepInput, TakeoverOutput
+
+_STEP = {
+    "start_to_close_timeout": timedelta(seconds=60),
+    "retry_policy": RetryPolicy(maximum_attempts=3, initial_interval=timedelta(seconds=1)),
+}
+
+
+@workflow.defn
+class RecoveryWorkflow:
+    @workflow.run
+    async def run(self, request: RecoveryInput) -> RecoveryReport:
+        candidates: list[Candidate] = await workflow.execute_activity(
+            "nominate_expired", request, result_type=list[Candidate], summary="nominate expired leases", **_STEP
+        )
+        taken: list[TakeoverOutput] = []
+        for candidate in candidates:
+            taken.append(await workflow.execute_activity(
+                "take_over",
+                candidate,
+                result_type=TakeoverOutput,
+                summary=f"take over export {candidate.job_id}, {candidate.status.value}, "
+                        f"attempt {candidate.attempt_count}",
+                **_STEP,
+            ))
+        return RecoveryReport(nominated=len(candidates), taken_over=taken)
+
+
+@workflow.defn
+class SweeperWorkflow:
+    @workflow.run
+    async def run(self, request: SweepInput) -> int:
+        return await workflow.execute_activity(
+            "sweep", request, result_type=int, summary="republish queued jobs with old wake-ups", **_STEP
+        )
