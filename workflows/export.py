@@ -185,7 +185,9 @@ class ExportWorkflow:
             await workflow.sleep(_UNCONFIRMED_CLAIM_RETRY)
             return True
         if claim.result is ClaimResult.LOST:
-            return True
+            # Canceled, or edited: like a settled message, the job comes back only with its next wake-up (an
+            # edit writes one), which may already have arrived.
+            return False
 
         lease = timedelta(seconds=claim.lease_seconds)
         attempt = AttemptInput(job=row, attempt_id=attempt_id)
