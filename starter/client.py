@@ -79,6 +79,14 @@ def parse_id(value: str | uuid.UUID, what: str) -> uuid.UUID:
         raise InputError(f"{what} {value!r} is not a UUID") from None
 
 
+def _attempt_ids(tenant_id: object, job_id: object, attempt_id: object) -> dict[str, uuid.UUID]:
+    return {
+        "tenant_id": parse_id(tenant_id, "tenant ID"),
+        "job_id": parse_id(job_id, "job ID"),
+        "attempt_id": parse_id(attempt_id, "attempt ID"),
+    }
+
+
 def _validated(model: type, what: str, **values: Any):
     try:
         return model(**values)
@@ -296,9 +304,7 @@ class ExportsClient:
         request = _validated(
             ReconcileRequest,
             "reconciliation",
-            tenant_id=parse_id(tenant_id, "tenant ID"),
-            job_id=parse_id(job_id, "job ID"),
-            attempt_id=parse_id(attempt_id, "attempt ID"),
+            **_attempt_ids(tenant_id, job_id, attempt_id),
             resolution=outcome,
             reconciled_by=reconciled_by,
             evidence_summary=evidence,
@@ -330,9 +336,7 @@ class ExportsClient:
         request = _validated(
             CorrectRequest,
             "correction",
-            tenant_id=parse_id(tenant_id, "tenant ID"),
-            job_id=parse_id(job_id, "job ID"),
-            attempt_id=parse_id(attempt_id, "attempt ID"),
+            **_attempt_ids(tenant_id, job_id, attempt_id),
             recorded_status=recorded,
             corrected_status=corrected,
             failure_reason=failure_reason,
