@@ -47,6 +47,11 @@ def destination_config(row: dict[str, Any]) -> partner.DestinationConfig:
         temp_dir=row["temp_dir"],
         host_key=row["host_key"],
         credential_ref=row["credential_ref"],
+        contract=partner.PartnerContract(
+            name_and_size_identify=row["name_and_size_identify"],
+            hash_evidence=row["hash_evidence"],
+            acknowledgment_dir=row["acknowledgment_dir"],
+        ),
     )
 
 
@@ -190,10 +195,29 @@ class ExportActivities:
                 await self.store.finish_failed(job.id, attempt_id, FailureCode.BUILD_FAILED, str(exc))
                 await lease.finish()
                 return BuildOutput(ended="BuildFailed")
+        if job.replaces_job_id is None and await self._final_name_occupied(job):
+            # An original's name is unique to its key, so a file there is a conflict: end it now, from Running,
+            # where a stop request can still win, with nothing uploaded.
+            remove_local_file(path)
+            await self.store.finish_failed(job.id, attempt_id, FailureCode.FINAL_NAME_OCCUPIED,
+                                           f"{job.final_name} exists at the partner before delivery")
+            return BuildOutput(ended="FinalNameOccupied")
         return BuildOutput(
             file=BuiltFile(path=str(path), final_name=job.final_name, size=size, sha256_hex=sha256_hex),
             worker_task_queue=self.worker_task_queue,
         )
+
+    async def _final_name_occupied(self, job: JobRow) -> bool:
+        """The preparation's look at the final name. Unreachable is not occupied: the delivery looks again and
+        records the baseline that counts."""
+        destination = await self.store.read_destination(job.tenant_id, job.destination_id)
+        if destination is None:
+            return False
+        try:
+            return (await partner.list_final(destination_config(destination), job.final_name)).exists
+        except Exception as exc:
+            log.warning("preparation could not list %s for %s: %s", job.final_name, job.id, exc)
+            return False
 
     @activity.defn
     async def authorize_delivery(self, request: AuthorizeInput) -> AuthorizeOutput:
@@ -212,6 +236,18 @@ class ExportActivities:
         if result is not AuthorizationResult.AUTHORIZED:
             remove_local_file(file.path)
         return AuthorizeOutput(result=result)
+
+    async def _replacement(self, job: JobRow) -> partner.Replacement | None:
+        """For a replacement, what identifies its original's file, and whether an overwrite was agreed."""
+        if job.replaces_job_id is None:
+            return None
+        original = await self.store.read_job(job.replaces_job_id, tenant_id=job.tenant_id)
+        return partner.Replacement(
+            original_bytes=original.expected_file_bytes if original else None,
+            original_sha256=original.expected_file_sha256.hex() if original and original.expected_file_sha256
+            else None,
+            overwrite_agreed=job.overwrite_agreement_ref is not None,
+        )
 
     @activity.defn
     async def deliver(self, request: DeliverInput) -> DeliverOutput:
@@ -253,6 +289,8 @@ class ExportActivities:
                         record_evidence=record_evidence,
                         on_progress=lambda sent, total: progress.update(sent=sent),
                         throttle_bytes_per_second=self.settings.upload_throttle_bytes_per_second,
+                        expected_sha256=file.sha256_hex,
+                        replacement=await self._replacement(job),
                     )
                 await self.checkpoints.reached(checkpoints.AFTER_RECEIPT, job.id)
                 outcome = Status(result.outcome)

@@ -10,6 +10,7 @@ fresh listing, everything from it on can only be proven delivered by a listing t
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import posixpath
@@ -40,6 +41,29 @@ _RENAME_REFUSED = (asyncssh.SFTPFailure, asyncssh.SFTPFileAlreadyExists)
 _CAUGHT = (Exception, asyncio.CancelledError)
 
 
+class PartnerContract(BaseModel):
+    """What was agreed with the partner, stored with the destination."""
+
+    model_config = ConfigDict(frozen=True)
+
+    # Name and size alone identify a file there. Different exports can share a size, so only by agreement.
+    name_and_size_identify: bool = False
+    # "read_back": the final file may be read back and hashed. "none": no evidence by content.
+    hash_evidence: Literal["none", "read_back"] = "none"
+    # Where the partner writes <final name>.ack holding the SHA-256 (hex) of the file it processed.
+    acknowledgment_dir: str | None = None
+
+
+class Replacement(BaseModel):
+    """What a replacement's delivery knows of its original, to tell the original's file from any other."""
+
+    model_config = ConfigDict(frozen=True)
+
+    original_bytes: int | None
+    original_sha256: str | None
+    overwrite_agreed: bool
+
+
 class DestinationConfig(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -50,6 +74,7 @@ class DestinationConfig(BaseModel):
     temp_dir: str
     host_key: str
     credential_ref: str
+    contract: PartnerContract = PartnerContract()
 
     @model_validator(mode="after")
     def _temp_dir_is_not_final_dir(self) -> DestinationConfig:
@@ -72,7 +97,7 @@ class DeliveryResult(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     outcome: Literal["Completed", "Failed", "OutcomeUnknown"]
-    failure_reason: Literal["NotDelivered", "FinalNameOccupied"] | None = None
+    failure_reason: Literal["NotDelivered", "FinalNameOccupied", "OriginalDelivered"] | None = None
     summary: str
     receipt: RemoteFile | None = None
 
@@ -180,6 +205,48 @@ async def list_final(dest: DestinationConfig, final_name: str, *, timeout: float
     async with asyncio.timeout(timeout):
         async with connect(dest, connect_timeout=timeout) as sftp:
             return await _listing(sftp, posixpath.join(dest.final_dir, final_name))
+
+
+async def _sha256_of(sftp: asyncssh.SFTPClient, path: str, operation_timeout: float) -> str:
+    """Read the partner's file back and hash it: evidence by content, where the contract allows it."""
+    digest = hashlib.sha256()
+    async with asyncio.timeout(operation_timeout):
+        async with sftp.open(path, "rb") as remote:
+            while chunk := await remote.read(256 * 1024):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+async def _acknowledged_sha256(sftp: asyncssh.SFTPClient, dest: DestinationConfig, final_name: str,
+                               operation_timeout: float) -> str | None:
+    """The SHA-256 the partner acknowledged for this final name, if it wrote an acknowledgment."""
+    if dest.contract.acknowledgment_dir is None:
+        return None
+    path = posixpath.join(dest.contract.acknowledgment_dir, f"{final_name}.ack")
+    try:
+        async with asyncio.timeout(operation_timeout):
+            async with sftp.open(path, "r") as ack:
+                text = await ack.read(4096)
+    except asyncssh.SFTPNoSuchFile:
+        return None
+    return text.strip().removeprefix("sha256=").strip().lower() or None
+
+
+async def _identify(sftp: asyncssh.SFTPClient, dest: DestinationConfig, final_path: str, final_name: str,
+                    found: RemoteFile, original: Replacement, operation_timeout: float) -> tuple[bool, str]:
+    """Whether a file under a replacement's final name is the original's delivery, and on what evidence:
+    a matching checksum, an acknowledgment tied to the original, or name and size where the contract says so."""
+    if original.original_sha256 and dest.contract.hash_evidence == "read_back":
+        actual = await _sha256_of(sftp, final_path, operation_timeout)
+        if actual == original.original_sha256:
+            return True, "checksum matches the original's expected file"
+    if original.original_sha256:
+        acknowledged = await _acknowledged_sha256(sftp, dest, final_name, operation_timeout)
+        if acknowledged == original.original_sha256:
+            return True, "the partner's acknowledgment names the original's file"
+    if dest.contract.name_and_size_identify and found.size == original.original_bytes:
+        return True, "name and size match the original's, which the contract accepts"
+    return False, "not identified as the original's delivery"
 
 
 def _describe(exc: BaseException) -> str:
@@ -342,6 +409,8 @@ async def deliver(
     chunk_size: int = 64 * 1024,
     operation_timeout: float = 60.0,
     after_failure_timeout: float = AFTER_FAILURE_TIMEOUT_SECONDS,
+    expected_sha256: str | None = None,
+    replacement: Replacement | None = None,
 ) -> DeliveryResult:
     """Upload `local_path` to `temp_dir/temp_name`, then rename it to `final_dir/final_name` (no overwrite).
 
@@ -369,17 +438,29 @@ async def deliver(
             async with asyncio.timeout(operation_timeout):
                 baseline = await _listing(sftp, final_path)
             await _record(record_evidence, {"step": "baseline", "final": baseline.model_dump()})
+            overwrite = False
             if baseline.exists:
-                # Someone else's file (or an earlier delivery's): never touch it, and write nothing at all.
-                occupied = DeliveryResult(
-                    outcome="Failed", failure_reason="FinalNameOccupied",
-                    summary=f"not delivered: {final_name} already exists at the partner "
-                            f"({baseline.size} bytes)",
-                )
-                logger.warning("final name %s on %s is occupied; nothing uploaded", final_path, dest.host)
-                await _record(record_evidence, {"step": "decision", "decision": "FinalNameOccupied",
+                decision, why = "FinalNameOccupied", "an original's name is unique to its key"
+                if replacement is not None:
+                    # A replacement reuses its original's name: the file may be the original's own delivery.
+                    identified, why = await _identify(sftp, dest, final_path, final_name, baseline, replacement,
+                                                      operation_timeout)
+                    if identified:
+                        decision = "OriginalDelivered"
+                    elif replacement.overwrite_agreed:
+                        decision, overwrite = "Overwrite", True
+                await _record(record_evidence, {"step": "decision", "decision": decision, "why": why,
                                                 "final": baseline.model_dump()})
-                return occupied
+                if not overwrite:
+                    # Someone else's file, or the original's: never touch it, and upload nothing at all.
+                    occupied = DeliveryResult(
+                        outcome="Failed", failure_reason=decision,
+                        summary=f"not delivered: {final_name} already exists at the partner "
+                                f"({baseline.size} bytes); {why}",
+                    )
+                    logger.warning("final name %s on %s is occupied (%s); nothing uploaded", final_path,
+                                   dest.host, decision)
+                    return occupied
             step = "upload"
             await _upload(
                 sftp, local_path, temp_path, total, chunk_size=chunk_size,
@@ -390,11 +471,22 @@ async def deliver(
                                             "bytes": total})
             step = "rename"
             async with asyncio.timeout(operation_timeout):
-                # SFTP v3 rename fails if the final name exists; posix_rename would overwrite. Never use it.
-                await sftp.rename(temp_path, final_path)
+                if overwrite:
+                    # Only a replacement with the partner's recorded agreement may replace the final file.
+                    await sftp.posix_rename(temp_path, final_path)
+                else:
+                    # SFTP v3 rename fails if the final name exists, so a file that appeared after the
+                    # listing is never replaced.
+                    await sftp.rename(temp_path, final_path)
             step = "confirm"
             async with asyncio.timeout(operation_timeout):
                 receipt = await _listing(sftp, final_path)
+            content = None
+            if receipt.exists and receipt.size == total:
+                if dest.contract.hash_evidence == "read_back":
+                    content = await _sha256_of(sftp, final_path, operation_timeout)
+                elif overwrite:
+                    content = await _acknowledged_sha256(sftp, dest, final_name, operation_timeout)
     except _CAUGHT as exc:
         if occupied is not None:
             return occupied  # The decision was made before the failure (recording it or closing).
@@ -405,8 +497,22 @@ async def deliver(
         logger.warning("closing the connection after delivering %s failed: %s", final_path, _describe(exc))
 
     await _record_quietly(record_evidence, {"step": "receipt", "final": receipt.model_dump(),
-                                            "expected_bytes": total})
+                                            "expected_bytes": total, "sha256": content,
+                                            "expected_sha256": expected_sha256})
     if receipt.exists and receipt.size == total:
+        if content is not None and content == expected_sha256:
+            logger.info("delivered %s to %s, %d bytes, sha256 confirmed", final_path, dest.host, total)
+            return DeliveryResult(outcome="Completed", receipt=receipt,
+                                  summary=f"uploaded {final_name}, {total} bytes, confirmed by sha256")
+        if content is not None:
+            return DeliveryResult(outcome="OutcomeUnknown",
+                                  summary=f"outcome unknown: {final_name} holds {total} bytes, but their sha256 "
+                                          "is not the expected file's")
+        if overwrite:
+            # Name and size cannot show an overwrite happened: a rebuilt export can have the same size.
+            return DeliveryResult(outcome="OutcomeUnknown",
+                                  summary=f"outcome unknown: {final_name} was overwritten with {total} bytes, "
+                                          "and no hash or acknowledgment confirms this upload")
         logger.info("delivered %s to %s, %d bytes", final_path, dest.host, total)
         return DeliveryResult(
             outcome="Completed",

@@ -28,6 +28,7 @@ class StopWatch:
         self.on_stop = on_stop
         self._conn: asyncpg.Connection | None = None
         self._confirming: asyncio.Task[None] | None = None
+        self._again = False
 
     async def __aenter__(self) -> StopWatch:
         try:
@@ -46,17 +47,27 @@ class StopWatch:
             self._conn.terminate()
 
     def _notified(self, conn: object, pid: int, channel: str, payload: str) -> None:
-        if payload == str(self.job_id) and (self._confirming is None or self._confirming.done()):
+        if payload != str(self.job_id):
+            return
+        if self._confirming is None or self._confirming.done():
             self._confirming = asyncio.create_task(self._confirm())
+        else:
+            # A read already under way may have started before this stop committed: read once more after it.
+            self._again = True
 
     async def _confirm(self) -> None:
-        try:
-            row = await self.store.read_job(self.job_id)
-        except Exception as exc:
-            log.warning("could not confirm a stop request for %s: %s", self.job_id, exc)
-            return
-        if (row is not None and row.status is Status.RUNNING and row.attempt_id == self.attempt_id
-                and row.stop_request_id is not None):
-            log.info("stop request %s confirmed for %s attempt %s", row.stop_request_id, self.job_id,
-                     self.attempt_id)
-            self.on_stop()
+        while True:
+            self._again = False
+            try:
+                row = await self.store.read_job(self.job_id)
+            except Exception as exc:
+                log.warning("could not confirm a stop request for %s: %s", self.job_id, exc)
+                return
+            if (row is not None and row.status is Status.RUNNING and row.attempt_id == self.attempt_id
+                    and row.stop_request_id is not None):
+                log.info("stop request %s confirmed for %s attempt %s", row.stop_request_id, self.job_id,
+                         self.attempt_id)
+                self.on_stop()
+                return
+            if not self._again:
+                return

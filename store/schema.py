@@ -31,6 +31,9 @@ destinations = Table(
     Column("host_key", Text, nullable=False),
     Column("credential_ref", Text, nullable=False),
     Column("enabled", Boolean, nullable=False),
+    Column("name_and_size_identify", Boolean, nullable=False),
+    Column("hash_evidence", Text, nullable=False),
+    Column("acknowledgment_dir", Text),
 )
 
 contacts = Table(

@@ -34,18 +34,21 @@ async def seed_destination(
     credential_ref: str,
     enabled: bool = True,
     destination_id: uuid.UUID | None = None,
+    name_and_size_identify: bool = False,
+    hash_evidence: str = "none",
+    acknowledgment_dir: str | None = None,
 ) -> uuid.UUID:
     """Insert, or with a known ID bring the address and keys up to date (the local partner's port changes)."""
     destination_id = destination_id or uuid.uuid4()
     await conn.execute(
         """
         INSERT INTO destinations (id, tenant_id, name, host, port, username, final_dir, temp_dir, host_key,
-                                  credential_ref, enabled)
-        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+                                  credential_ref, enabled, name_and_size_identify, hash_evidence, acknowledgment_dir)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
         ON CONFLICT (id) DO UPDATE SET host = excluded.host, port = excluded.port, host_key = excluded.host_key,
             credential_ref = excluded.credential_ref
         """,
         destination_id, tenant_id, name, host, port, username, final_dir, temp_dir, host_key, credential_ref,
-        enabled,
+        enabled, name_and_size_identify, hash_evidence, acknowledgment_dir,
     )
     return destination_id

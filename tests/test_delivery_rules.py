@@ -1,0 +1,256 @@
+"""The partner over SFTP through the real worker: interrupted uploads and the replacement rules (issue 5).
+
+Every interruption is real: the SFTP server closes the connection at the named point, or a second real client
+writes the final name between the listing and the rename.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import asyncssh
+import pytest
+
+from activities import partner
+from store.models import FailureCode, Status
+from store.reconciliation import reconcile
+from tests.support import eventually
+from tests.workflow_support import Harness, WorkerProcess, held_at, open_harness, run_recovery
+
+
+def outbound(h: Harness) -> Path:
+    return h.partner.root / "outbound"
+
+
+def leftovers(h: Harness) -> list[str]:
+    return sorted(p.name for p in (h.partner.root / "incoming-tmp").iterdir())
+
+
+async def kinds(h: Harness, job_id: uuid.UUID) -> list[str]:
+    rows = await h.db.admin.fetch("SELECT kind FROM export_attempt_events WHERE job_id = $1 ORDER BY id", job_id)
+    return [r["kind"] for r in rows]
+
+
+async def set_contract(h: Harness, **columns: object) -> None:
+    for column, value in columns.items():
+        await h.db.admin.execute(f"UPDATE destinations SET {column} = $1 WHERE id = $2", value, h.destination_id)
+
+
+async def unknown_original(h: Harness) -> tuple[uuid.UUID, bytes]:
+    """An original whose upload landed but whose connection dropped right after the rename: OutcomeUnknown,
+    with its file at the partner."""
+    async def drop(old: str, new: str) -> None:
+        h.partner.close_connections()
+
+    h.partner.hooks.after_rename = drop
+    try:
+        original = await h.create()
+        row = await h.settled(original)
+    finally:
+        h.partner.hooks.after_rename = None
+    assert row.status is Status.OUTCOME_UNKNOWN
+    return original, (outbound(h) / row.final_name).read_bytes()
+
+
+async def replacement_of(h: Harness, original: uuid.UUID, agreement: str | None = None) -> uuid.UUID:
+    return await h.exports.replace(tenant_id=h.tenant_id, original_job_id=original, created_by="ops@example",
+                                   reason="the original's outcome is unknown", overwrite_agreement_ref=agreement)
+
+
+@pytest.mark.spec("IU1")
+async def test_interrupted_before_rename__no_final_file_and_not_delivered(harness: Harness):
+    h = harness
+    renames = []
+
+    cuts = []
+
+    async def cut_mid_transfer(path: str, offset: int) -> None:
+        if not cuts:  # the transfer has begun: its first write never completes
+            cuts.append(path)
+            h.partner.close_connections()
+
+    async def count_rename(old: str, new: str) -> None:
+        renames.append(new)
+
+    h.partner.hooks.on_write, h.partner.hooks.before_rename = cut_mid_transfer, count_rename
+    job_id = await h.create()
+    row = await h.settled(job_id)
+    assert cuts and renames == []  # the transfer was cut, and the rename never ran
+    assert not (outbound(h) / row.final_name).exists()
+    assert (row.status, row.failure_reason) == (Status.FAILED, FailureCode.NOT_DELIVERED)
+    assert leftovers(h) == []
+
+
+@pytest.mark.spec("IU2")
+async def test_occupied_final_name__original_fails_final_name_occupied_with_nothing_uploaded(harness: Harness):
+    h = harness
+    job_id = uuid.uuid4()
+    key = f"k{uuid.uuid4().hex[:10]}"
+    squatter = outbound(h) / f"contacts-{key}.csv"
+    squatter.write_bytes(b"someone else's file\n")
+    await h.exports.create(tenant_id=h.tenant_id, destination_id=h.destination_id, created_by="tests",
+                           delivery_key=key, job_id=job_id)
+    row = await h.settled(job_id)
+    assert (row.status, row.failure_reason) == (Status.FAILED, FailureCode.FINAL_NAME_OCCUPIED)
+    # Ended in preparation, from Running, where a stop could still have won: never authorized.
+    assert "DeliveryAuthorized" not in await kinds(h, job_id)
+    assert squatter.read_bytes() == b"someone else's file\n" and leftovers(h) == []
+
+
+@pytest.mark.spec("IU3")
+async def test_interrupted_just_after_rename__outcome_unknown_until_reconciled(harness: Harness):
+    h = harness
+    original, content = await unknown_original(h)
+    row = await h.store.read_job(original)
+    assert hashlib.sha256(content).digest() == row.expected_file_sha256  # the file may well be there...
+    assert await reconcile(h.store.engine, tenant_id=h.tenant_id, job_id=original, attempt_id=row.attempt_id,
+                           resolution=Status.COMPLETED, reconciled_by="ops@example",
+                           evidence_summary="partner listing and checksum match")  # ...but only evidence says so
+    assert (await h.store.read_job(original)).status is Status.COMPLETED
+
+
+@pytest.mark.spec("RD1")
+@pytest.mark.parametrize("evidence", ["checksum", "acknowledgment"])
+async def test_replacement__original_identified_uploads_nothing_original_delivered(harness: Harness, evidence):
+    h = harness
+    original, content = await unknown_original(h)
+    if evidence == "checksum":
+        await set_contract(h, hash_evidence="read_back")
+    else:
+        await set_contract(h, acknowledgment_dir="/acks")
+        (h.partner.root / "acks").mkdir()
+        name = (await h.store.read_job(original)).final_name
+        (h.partner.root / "acks" / f"{name}.ack").write_text(f"sha256={hashlib.sha256(content).hexdigest()}\n")
+    replacement = await replacement_of(h, original)
+    row = await h.settled(replacement)
+    assert (row.status, row.failure_reason) == (Status.FAILED, FailureCode.ORIGINAL_DELIVERED)
+    assert (outbound(h) / row.final_name).read_bytes() == content and leftovers(h) == []
+    assert (await h.store.read_job(original)).status is Status.OUTCOME_UNKNOWN  # a named person corrects it
+
+
+@pytest.mark.spec("RD2")
+async def test_replacement__same_size_file_without_evidence_is_occupied_original_unresolved(harness: Harness):
+    h = harness
+    original, content = await unknown_original(h)  # the partner holds exactly the original's size
+    replacement = await replacement_of(h, original)
+    row = await h.settled(replacement)
+    assert (row.status, row.failure_reason) == (Status.FAILED, FailureCode.FINAL_NAME_OCCUPIED)
+    assert (outbound(h) / row.final_name).read_bytes() == content and leftovers(h) == []
+    assert (await h.store.read_job(original)).status is Status.OUTCOME_UNKNOWN
+
+
+async def test_replacement__name_and_size_identify_where_the_contract_accepts_them(harness: Harness):
+    h = harness
+    original, _ = await unknown_original(h)
+    await set_contract(h, name_and_size_identify=True)
+    row = await h.settled(await replacement_of(h, original))
+    assert (row.status, row.failure_reason) == (Status.FAILED, FailureCode.ORIGINAL_DELIVERED)
+
+
+def same_size_other_bytes(content: bytes) -> bytes:
+    return content[:-2] + (b"X" if content[-2:-1] != b"X" else b"Y") + content[-1:]
+
+
+@pytest.mark.spec("RD3")
+@pytest.mark.parametrize("other", ["different size", "same size, other bytes"])
+async def test_replacement__unidentified_file_uploads_nothing_without_agreement(harness: Harness, other):
+    h = harness
+    original, content = await unknown_original(h)
+    await set_contract(h, hash_evidence="read_back")
+    name = (await h.store.read_job(original)).final_name
+    foreign = b"not the original\n" if other == "different size" else same_size_other_bytes(content)
+    (outbound(h) / name).write_bytes(foreign)
+    row = await h.settled(await replacement_of(h, original))
+    assert (row.status, row.failure_reason) == (Status.FAILED, FailureCode.FINAL_NAME_OCCUPIED)
+    assert (outbound(h) / name).read_bytes() == foreign and leftovers(h) == []
+
+
+@pytest.mark.spec("RD3", "RD4")
+@pytest.mark.parametrize("hash_evidence,expected", [("read_back", Status.COMPLETED),
+                                                     ("none", Status.OUTCOME_UNKNOWN)])
+async def test_replacement__with_agreement_overwrites_completed_only_on_a_matching_hash(
+        harness: Harness, hash_evidence, expected):
+    h = harness
+    original, content = await unknown_original(h)
+    await set_contract(h, hash_evidence=hash_evidence)
+    name = (await h.store.read_job(original)).final_name
+    # The partner holds a file of the same size that nothing identifies: an overwrite needs the agreement.
+    foreign = same_size_other_bytes(content)
+    (outbound(h) / name).write_bytes(foreign)
+    row = await h.settled(await replacement_of(h, original, agreement="partner ticket 4711"))
+    assert row.status is expected
+    delivered = (outbound(h) / name).read_bytes()
+    assert delivered != foreign and hashlib.sha256(delivered).digest() == row.expected_file_sha256
+    assert leftovers(h) == []
+
+
+@pytest.mark.spec("RD5")
+async def test_file_appearing_between_listing_and_rename__never_overwritten_outcome_unknown(harness: Harness):
+    h = harness
+    intruder = b"written by a second client during the upload\n"
+
+    async def second_client_writes(old: str, new: str) -> None:
+        dest = h.partner.destination()
+        async with partner.connect(dest) as sftp:
+            async with sftp.open(new, "wb") as f:
+                await f.write(intruder)
+
+    h.partner.hooks.before_rename = second_client_writes
+    job_id = await h.create()
+    row = await h.settled(job_id)
+    assert row.status is Status.OUTCOME_UNKNOWN
+    assert (outbound(h) / row.final_name).read_bytes() == intruder
+
+
+@pytest.fixture
+async def process_harness(db, store, client, tmp_path):
+    """No in-process worker: worker processes do the work, so that one can be killed."""
+    async with AsyncExitStack() as stack:
+        yield await open_harness(stack, db, store, client, tmp_path, in_process_worker=False,
+                                 lease_seconds=2.0, renew_every_seconds=0.5)
+
+
+@pytest.mark.spec("RD6")
+async def test_replacement_crashed_before_its_baseline__recovery_leaves_it_outcome_unknown(process_harness):
+    h = process_harness
+    healthy = await WorkerProcess(h.settings).start()
+    try:
+        original, content = await unknown_original(h)
+    finally:
+        await healthy.stop()
+    await set_contract(h, name_and_size_identify=True)  # even where name and size would identify the original
+    crashing = await WorkerProcess(h.settings, hold_at="before_upload").start()
+    try:
+        replacement = await replacement_of(h, original)
+        await held_at(h.settings, "before_upload", replacement)
+        crashing.kill()
+        await eventually(lambda: h.db.admin.fetchval(
+            "SELECT lease_expires_at < clock_timestamp() FROM export_jobs WHERE id = $1", replacement), bool,
+            timeout=20, what="the lease expired")
+    finally:
+        crashing.kill()
+    survivor = await WorkerProcess(h.settings).start()
+    try:
+        await run_recovery(h.client, h.settings)
+        row = await h.settled(replacement)
+    finally:
+        await survivor.stop()
+    assert row.status is Status.OUTCOME_UNKNOWN  # the file there is the original's, not evidence for this one
+    assert "ResolvedByRecovery" in await kinds(h, replacement)
+    assert (outbound(h) / row.final_name).read_bytes() == content
+
+
+async def test_pinned_host_key_mismatch__refuses_to_connect_and_writes_nothing(harness: Harness):
+    h = harness
+    wrong = asyncssh.generate_private_key("ssh-ed25519").export_public_key().decode().strip()
+    await h.db.admin.execute("UPDATE destinations SET host_key = $1 WHERE id = $2", wrong, h.destination_id)
+    job_id = await h.create()
+    row = await h.settled(job_id)
+    assert (row.status, row.failure_reason) == (Status.FAILED, FailureCode.NOT_DELIVERED)
+    assert list(outbound(h).iterdir()) == [] and leftovers(h) == []
+    details = await h.db.admin.fetch(
+        "SELECT detail FROM export_attempt_events WHERE job_id = $1 AND kind = 'DeliveryEvidence'", job_id)
+    assert any("HostKeyMismatch" in d["detail"] for d in details), details
