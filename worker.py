@@ -23,6 +23,7 @@ from temporalio.worker import Worker
 from activities.checkpoints import checkpoints_for
 from activities.exports import ExportActivities
 from activities.recovery import RecoveryActivities
+from activities.scavenger import scavenge
 from starter.dispatcher import OutboxDispatcher
 from starter.temporal import connect_temporal
 from store.db import asyncpg_dsn, make_engine
@@ -73,6 +74,7 @@ async def running_worker(
         max_heartbeat_throttle_interval=throttle,
         default_heartbeat_throttle_interval=throttle,
     )
+    await scavenge(store, Path(settings.work_dir))
     stop = asyncio.Event()
     dispatcher_task = None
     dispatcher_engine = None

@@ -254,3 +254,28 @@ async def test_pinned_host_key_mismatch__refuses_to_connect_and_writes_nothing(h
     details = await h.db.admin.fetch(
         "SELECT detail FROM export_attempt_events WHERE job_id = $1 AND kind = 'DeliveryEvidence'", job_id)
     assert any("HostKeyMismatch" in d["detail"] for d in details), details
+
+
+async def test_scavenger__a_started_worker_removes_built_files_no_attempt_can_use(db, store, client, tmp_path):
+    """Contact data left on disk by a dead worker goes when a worker starts; a live attempt's file stays."""
+    from store.models import Status as S
+    from tests.store_states import drive
+    from tests.support import create_job, seed_tenant
+    from worker import running_worker
+
+    tenant_id, destination_id = await seed_tenant(db.admin)
+    live, settled = await create_job(store, tenant_id, destination_id), await create_job(store, tenant_id,
+                                                                                        destination_id)
+    live_attempt = await drive(store, live, S.RUNNING)
+    settled_attempt = await drive(store, settled, S.COMPLETED)
+    work = tmp_path / "work"
+    work.mkdir()
+    keep = work / f"{live}-{live_attempt}.csv"
+    stale = [work / f"{settled}-{settled_attempt}.csv", work / f"{live}-{uuid.uuid4()}.csv",
+             work / f"{uuid.uuid4()}-{uuid.uuid4()}.csv"]
+    for path in (keep, *stale):
+        path.write_text("email,first_name\n")
+    settings = db.settings(task_queue=f"exports-{uuid.uuid4().hex[:8]}", work_dir=work)
+    async with running_worker(settings, client, with_dispatcher=False):
+        pass
+    assert keep.exists() and not any(p.exists() for p in stale)

@@ -1,0 +1,35 @@
+"""The scavenger: built files are contact data, so any a worker left behind (it died between the build and the
+delivery, or a removal failed) are removed once their attempt can no longer use them. Run when a worker starts."""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from pathlib import Path
+
+from activities.builder import remove_local_file
+from store.jobs import JobStore
+from store.models import Status
+
+log = logging.getLogger(__name__)
+
+_BUILT = re.compile(r"^(?P<job>[0-9a-f-]{36})-(?P<attempt>[0-9a-f-]{36})\.csv$")
+
+
+async def scavenge(store: JobStore, work_dir: Path) -> list[Path]:
+    """Remove built files whose attempt no longer holds its row in Running or Delivering; the removed paths."""
+    removed = []
+    if not work_dir.is_dir():
+        return removed
+    for path in sorted(work_dir.iterdir()):
+        match = _BUILT.match(path.name)
+        if match is None:
+            continue
+        row = await store.read_job(uuid.UUID(match["job"]))
+        still_needed = (row is not None and row.attempt_id == uuid.UUID(match["attempt"])
+                        and row.status in (Status.RUNNING, Status.DELIVERING))
+        if not still_needed and remove_local_file(path):
+            log.info("scavenged %s: its attempt can no longer deliver it", path.name)
+            removed.append(path)
+    return removed
