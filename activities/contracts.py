@@ -22,6 +22,9 @@ from store.models import (
 # Keep in step with the text columns they end up in; starter/ validates before anything is written.
 MAX_NAME = 200
 MAX_REASON = 2000
+# The operator of a stop request made by Temporal's own cancel of an export workflow; the recording activity
+# adds the identity Temporal recorded for the cancel.
+TEMPORAL_CANCEL_OPERATOR = "temporal-cancel"
 
 
 class CreateExport(BaseModel):

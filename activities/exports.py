@@ -14,6 +14,8 @@ from temporalio.exceptions import ApplicationError
 from activities import checkpoints, partner
 from activities.builder import BuildError, build_contacts_csv, remove_local_file
 from activities.contracts import (
+    MAX_NAME,
+    TEMPORAL_CANCEL_OPERATOR,
     AttemptInput,
     AuthorizeInput,
     AuthorizeOutput,
@@ -128,14 +130,28 @@ class ExportActivities:
     @activity.defn
     async def record_cancellation(self, request: CancelRequest) -> CancelOutput:
         job_id = _uuid(activity.info().workflow_id.removeprefix("export-"))
+        requested_by = request.requested_by
+        if requested_by == TEMPORAL_CANCEL_OPERATOR:
+            requested_by = await self._temporal_cancel_operator()
         result = await self.store.request_cancellation(
             tenant_id=request.tenant_id,
             job_id=job_id,
             request_id=request.request_id,
-            requested_by=request.requested_by,
+            requested_by=requested_by,
             reason=request.reason,
         )
         return CancelOutput(result=result)
+
+    async def _temporal_cancel_operator(self) -> str:
+        """Who cancelled the workflow, as Temporal recorded it in the cancel request's history event."""
+        info = activity.info()
+        identity = ""
+        handle = activity.client().get_workflow_handle(info.workflow_id, run_id=info.workflow_run_id)
+        async for event in handle.fetch_history_events():
+            if event.HasField("workflow_execution_cancel_requested_event_attributes"):
+                identity = event.workflow_execution_cancel_requested_event_attributes.identity
+                break
+        return f"{TEMPORAL_CANCEL_OPERATOR}: {identity}"[:MAX_NAME] if identity else TEMPORAL_CANCEL_OPERATOR
 
     # --- the claiming worker's own task queue -----------------------------------------------------------------
 

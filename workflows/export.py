@@ -21,6 +21,7 @@ with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
     from activities.contracts import (
+        TEMPORAL_CANCEL_OPERATOR,
         AttemptInput,
         AuthorizeInput,
         AuthorizeOutput,
@@ -123,7 +124,7 @@ class ExportWorkflow:
         self._cancels.append(CancelRequest(
             request_id=uuid.uuid5(_TEMPORAL_CANCEL, info.run_id),
             tenant_id=self._row.tenant_id,
-            requested_by="temporal-cancel",
+            requested_by=TEMPORAL_CANCEL_OPERATOR,
             reason=f"Temporal cancel of workflow {info.workflow_id}, run {info.run_id}",
         ))
 
