@@ -208,8 +208,8 @@ class ExportActivities:
                     return BuildOutput(ended="Stopped")
                 raise
             except BuildError as exc:
-                await self.store.finish_failed(job.id, attempt_id, FailureCode.BUILD_FAILED, str(exc))
-                await lease.finish()
+                async with lease.terminal_write():
+                    await self.store.finish_failed(job.id, attempt_id, FailureCode.BUILD_FAILED, str(exc))
                 return BuildOutput(ended="BuildFailed")
         if job.replaces_job_id is None and await self._final_name_occupied(job):
             # An original's name is unique to its key, so a file there is a conflict: end it now, from Running,
@@ -240,10 +240,15 @@ class ExportActivities:
         """Cutoff 2, and what its refusal means. The file is removed unless delivery was authorized."""
         job, attempt_id, file = request.job, request.attempt_id, request.file
         await self.checkpoints.reached(checkpoints.BEFORE_CUTOFF_2, job.id)
-        result = await self.store.authorize_delivery(job, attempt_id, file)
-        if result is AuthorizationResult.LEASE_LAPSED and await self.store.renew_lease(job.id, attempt_id):
-            # Still the owner, only late: the renewal succeeds only if no takeover committed. Retry once.
+        try:
             result = await self.store.authorize_delivery(job, attempt_id, file)
+            if result is AuthorizationResult.LEASE_LAPSED and await self.store.renew_lease(job.id, attempt_id):
+                # Still the owner, only late: the renewal succeeds only if no takeover committed. Retry once.
+                result = await self.store.authorize_delivery(job, attempt_id, file)
+        except Exception:
+            # Whatever the row now says, this attempt will not deliver this file: recovery reads the row.
+            remove_local_file(file.path)
+            raise
         if result is AuthorizationResult.STOP_RECORDED:
             await self.store.finish_stopped(job.id, attempt_id, "BeforeDelivery")
         elif result is AuthorizationResult.ORIGINAL_COMPLETED:
@@ -311,8 +316,9 @@ class ExportActivities:
                 await self.checkpoints.reached(checkpoints.AFTER_RECEIPT, job.id)
                 outcome = Status(result.outcome)
                 failure = FailureCode(result.failure_reason) if result.failure_reason else None
-                written = await self.store.finish_delivery(job.id, attempt_id, outcome, failure, result.summary)
-                await lease.finish()
+                async with lease.terminal_write():
+                    written = await self.store.finish_delivery(job.id, attempt_id, outcome, failure,
+                                                               result.summary)
         finally:
             remove_local_file(file.path)
         if not written:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 from uuid import UUID
 
@@ -42,6 +43,7 @@ class LeaseKeeper:
         self.details = details
         self.lost = False
         self._finished = False
+        self._finishing = False  # finish() was called: a renewal that now finds no row is not a loss
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
 
@@ -74,14 +76,28 @@ class LeaseKeeper:
                             self.job_id, self.attempt_id, exc)
                 return True
             # A renewal that finishes after the terminal write finds no row; that is not a loss of ownership.
-            if not renewed and not self._finished and not self.lost:
+            if not renewed and not self._finishing and not self.lost:
                 self.lost = True
                 log.warning("attempt %s lost ownership of export %s", self.attempt_id, self.job_id)
                 self.on_lost()
             return renewed
 
+    @asynccontextmanager
+    async def terminal_write(self) -> AsyncIterator[None]:
+        """Around the attempt's terminal write. A renewal that finds no row from here on may be this very write's
+        doing, so it is not reported as lost ownership (a takeover shows in the write's own result instead);
+        renewals stop right after the write."""
+        self._finishing = True
+        try:
+            yield
+        finally:
+            await self.finish()
+
     async def finish(self) -> None:
         """Stop renewing, right after the attempt's terminal write. Waits for a renewal in flight; never raises."""
+        # Marked before waiting: `_finished` is checked by the renewal in flight when it returns, and set here only
+        # once that renewal has released the lock, so without this its empty result would be reported as a loss.
+        self._finishing = True
         async with self._lock:  # waits for a renewal in flight rather than interrupting it
             self._finished = True
         if self._task is not None and not self._task.done():
