@@ -1,0 +1,471 @@
+"""Crashes of real worker processes (SIGKILL) and lost database responses, end to end on Temporal.
+
+Every worker that builds runs as its own process (`python -m worker`), held at a named checkpoint and killed there.
+Recovery, where a test needs it to run while no export worker is alive, runs in this process on a task queue of
+its own: that worker polls no export workflow, so the export's Temporal state cannot move (and cannot resume a
+build) until the test starts the next export worker. The row in PostgreSQL and the files at the partner are the
+authority for every assertion; the workflow's history only shows which activities ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.enums.v1 import EventType, TimeoutType
+from temporalio.api.history.v1 import HistoryEvent
+from temporalio.api.workflowservice.v1 import ResetStickyTaskQueueRequest
+from temporalio.service import RPCError, RPCStatusCode
+
+from activities.contracts import (
+    AttemptInput,
+    BuildOutput,
+    ClaimOutput,
+    Evaluation,
+    ExportResult,
+    RecoveryInput,
+    RecoveryReport,
+)
+from store.models import ClaimResult, FailureCode, Status
+from tests.faults import PgFaultProxy, fault_proxy
+from tests.support import eventually
+from tests.workflow_support import Harness, WorkerProcess, held_at, open_harness, run_recovery
+from worker import running_worker
+
+LEASE = 2.0
+CLAIM = "WITH claimed AS"
+
+
+# --- the world of one crash test --------------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def crash_world(db, store, client, tmp_path, **overrides: object) -> AsyncIterator[Harness]:
+    """A tenant and a partner, no in-process export worker: the test starts (and kills) worker processes."""
+    async with AsyncExitStack() as stack:
+        yield await open_harness(stack, db, store, client, tmp_path, in_process_worker=False,
+                                 lease_seconds=LEASE, renew_every_seconds=0.5, **overrides)
+
+
+@pytest.fixture
+async def crash_harness(db, store, client, tmp_path) -> AsyncIterator[Harness]:
+    async with crash_world(db, store, client, tmp_path) as h:
+        yield h
+
+
+@asynccontextmanager
+async def processes(h: Harness) -> AsyncIterator[list[WorkerProcess]]:
+    """Every worker process a test starts is appended here and killed on the way out, whatever happened."""
+    started: list[WorkerProcess] = []
+    try:
+        yield started
+    except BaseException:
+        for process in started:  # shown by pytest with the failure: what each worker process said
+            log_path = getattr(process, "log_path", None)
+            if log_path is not None and log_path.exists():
+                print(f"--- {log_path.name} (last 60 lines) ---")
+                print("\n".join(log_path.read_text(errors="replace").splitlines()[-60:]))
+        raise
+    finally:
+        for process in started:
+            process.kill()
+        for process in started:
+            if process.process is not None:
+                await asyncio.wait_for(process.process.wait(), timeout=15)
+
+
+async def start(started: list[WorkerProcess], h: Harness, **overrides: object) -> WorkerProcess:
+    process = await WorkerProcess(h.settings, **overrides).start()
+    started.append(process)
+    return process
+
+
+@asynccontextmanager
+async def recovery_only_worker(h: Harness) -> AsyncIterator[str]:
+    """A live worker for the recovery workflow on a queue of its own (no dispatcher): it never sees the export
+    workflow, so nothing resumes the dead worker's build before the takeover commits."""
+    queue = f"{h.settings.task_queue}-recovery"
+    settings = h.settings.model_copy(update={"task_queue": queue})
+    async with running_worker(settings, h.client, with_dispatcher=False):
+        yield queue
+
+
+async def recover_on(h: Harness, queue: str) -> RecoveryReport:
+    return await asyncio.wait_for(h.client.execute_workflow(
+        "RecoveryWorkflow", RecoveryInput(limit=h.settings.recovery_batch), id=f"recovery-{uuid.uuid4().hex[:8]}",
+        task_queue=queue, result_type=RecoveryReport), timeout=30)
+
+
+async def forget_dead_worker(h: Harness, job_id: uuid.UUID) -> None:
+    """After a SIGKILL, Temporal keeps the export's workflow tasks on the dead worker's sticky queue for 10 s
+    before it falls back to the shared queue. Only to save those seconds, ask now, as a graceful shutdown would.
+    This changes when another worker sees the workflow, never what the row allows."""
+    await h.client.workflow_service.reset_sticky_task_queue(ResetStickyTaskQueueRequest(
+        namespace=h.client.namespace, execution=WorkflowExecution(workflow_id=f"export-{job_id}")))
+
+
+def recorded_for(report: RecoveryReport, job_id: uuid.UUID) -> list[str | None]:
+    return [t.recorded for t in report.taken_over if t.job_id == job_id]
+
+
+# --- reading the row, its events, the partner and the workflow's history ----------------------------------------
+
+
+async def lease_expired(h: Harness, job_id: uuid.UUID) -> bool:
+    return await h.db.admin.fetchval(
+        "SELECT lease_expires_at < clock_timestamp() FROM export_jobs WHERE id = $1", job_id)
+
+
+async def wait_lease_expired(h: Harness, job_id: uuid.UUID) -> None:
+    await eventually(lambda: lease_expired(h, job_id), bool, timeout=20, interval=0.1,
+                     what="the dead worker's lease expired")
+
+
+async def events(h: Harness, job_id: uuid.UUID) -> list[dict[str, Any]]:
+    rows = await h.db.admin.fetch(
+        "SELECT kind, attempt_id, worker_id, observed_by, detail FROM export_attempt_events "
+        "WHERE job_id = $1 ORDER BY id", job_id)
+    return [dict(r) for r in rows]
+
+
+def kinds_of(evts: list[dict[str, Any]], attempt_id: uuid.UUID) -> list[str]:
+    """The attempt's event kinds in order, receipts and other evidence collapsed to one entry."""
+    out: list[str] = []
+    for e in evts:
+        if e["attempt_id"] == attempt_id and not (e["kind"] == "DeliveryEvidence" and out[-1:] == [e["kind"]]):
+            out.append(e["kind"])
+    return out
+
+
+def partner_files(h: Harness) -> list[str]:
+    return sorted(p.name for p in (h.partner.root / "outbound").iterdir())
+
+
+@dataclass
+class ActivityRun:
+    name: str
+    task_queue: str
+    input: Any
+    outcome: str | None = None  # completed, failed, timed_out, canceled; None while open
+    result: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_INPUTS = {"build": AttemptInput}
+_RESULTS = {"build": BuildOutput, "claim": ClaimOutput, "evaluate_policy": Evaluation}
+
+
+async def activity_runs(h: Harness, job_id: uuid.UUID) -> list[ActivityRun]:
+    """The export workflow's activities in scheduling order, with decoded inputs and results where useful."""
+    try:
+        history = await h.client.get_workflow_handle(f"export-{job_id}").fetch_history()
+    except RPCError as err:
+        if err.status is RPCStatusCode.NOT_FOUND:
+            return []  # not started yet: the dispatcher has not published the creation's wake-up
+        raise
+    converter = h.client.data_converter.payload_converter
+    runs: dict[int, ActivityRun] = {}
+
+    def decode(payloads, type_):  # type: ignore[no-untyped-def]
+        return converter.from_payloads(payloads, [type_])[0] if type_ is not None and payloads else None
+
+    e: HistoryEvent
+    for e in history.events:
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            a = e.activity_task_scheduled_event_attributes
+            name = a.activity_type.name
+            runs[e.event_id] = ActivityRun(name, a.task_queue.name, decode(a.input.payloads, _INPUTS.get(name)))
+        elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+            a = e.activity_task_completed_event_attributes
+            run = runs[a.scheduled_event_id]
+            run.outcome, run.result = "completed", decode(a.result.payloads, _RESULTS.get(run.name))
+        elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED:
+            runs[e.activity_task_failed_event_attributes.scheduled_event_id].outcome = "failed"
+        elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT:
+            a = e.activity_task_timed_out_event_attributes
+            run = runs[a.scheduled_event_id]
+            run.outcome = "timed_out"
+            run.extra["timeout"] = a.failure.timeout_failure_info.timeout_type
+        elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_CANCELED:
+            runs[e.activity_task_canceled_event_attributes.scheduled_event_id].outcome = "canceled"
+    return list(runs.values())
+
+
+def named(runs: list[ActivityRun], name: str) -> list[ActivityRun]:
+    return [r for r in runs if r.name == name]
+
+
+# --- TW2: a worker killed mid-build --------------------------------------------------------------------------------
+
+
+@pytest.mark.spec("TW2")
+async def test_worker_killed_mid_build__resumed_elsewhere_under_the_same_attempt(crash_harness):
+    h = crash_harness
+    async with processes(h) as started:
+        a = await start(started, h, hold_at="build_started")
+        job_id = await h.create()
+        await held_at(h.settings, "build_started", job_id)
+        held = await h.store.read_job(job_id)
+        assert held.status is Status.RUNNING and held.attempt_count == 1
+        attempt_id, claimed_by = held.attempt_id, held.claimed_by
+        await start(started, h)  # worker B: holds nowhere; it polls the shared queue and its own
+        a.kill()
+        row = await h.settled(job_id)
+
+    # The same attempt, resumed: no takeover, no second claim.
+    assert row.status is Status.COMPLETED
+    assert (row.attempt_id, row.attempt_count, row.claimed_by) == (attempt_id, 1, claimed_by)
+    evts = await events(h, job_id)
+    assert kinds_of(evts, attempt_id) == ["Claimed", "DeliveryAuthorized", "DeliveryEvidence", "Finished"]
+    assert {e["attempt_id"] for e in evts} == {attempt_id}
+    # Delivered by worker B: the evidence carries the worker that uploaded, not the one that claimed.
+    uploaders = {e["observed_by"].split("/")[0] for e in evts if e["kind"] == "DeliveryEvidence"}
+    assert len(uploaders) == 1 and claimed_by not in uploaders
+    assert partner_files(h) == [row.final_name]
+
+    builds = named(await activity_runs(h, job_id), "build")
+    assert [b.input.attempt_id for b in builds] == [attempt_id, attempt_id]
+    first, resumed = builds
+    assert first.extra["timeout"] == TimeoutType.TIMEOUT_TYPE_HEARTBEAT
+    assert first.outcome == "timed_out" and first.task_queue.startswith(f"{h.settings.task_queue}-")
+    assert resumed.task_queue == h.settings.task_queue and resumed.outcome == "completed"
+    assert resumed.result.file is not None
+
+
+@pytest.mark.spec("TW2")
+async def test_worker_killed_mid_build__after_a_takeover_the_resumed_build_writes_nothing(crash_harness):
+    h = crash_harness
+    async with processes(h) as started:
+        a = await start(started, h, hold_at="build_started")
+        job_id = await h.create()
+        await held_at(h.settings, "build_started", job_id)
+        first_attempt = (await h.store.read_job(job_id)).attempt_id
+        a.kill()  # no export worker is alive now: the build cannot resume before the takeover
+        await wait_lease_expired(h, job_id)
+        async with recovery_only_worker(h) as queue:
+            report = await recover_on(h, queue)
+        assert recorded_for(report, job_id) == ["RequeuedByRecovery"]
+        requeued = await h.store.read_job(job_id)
+        assert (requeued.status, requeued.attempt_id, requeued.attempt_count) == (Status.QUEUED, None, 1)
+
+        await start(started, h)  # worker B: resumes the old build first, then claims again
+        row = await h.settled(job_id)
+
+    assert row.status is Status.COMPLETED and row.attempt_count == 2
+    second_attempt = row.attempt_id
+    assert second_attempt not in (None, first_attempt)
+    evts = await events(h, job_id)
+    # The old attempt wrote nothing after the takeover; the new one ran once, to its end.
+    assert kinds_of(evts, first_attempt) == ["Claimed", "RequeuedByRecovery"]
+    assert kinds_of(evts, second_attempt) == ["Claimed", "DeliveryAuthorized", "DeliveryEvidence", "Finished"]
+    assert [e["kind"] for e in evts if e["kind"] in ("Claimed", "Finished")] == ["Claimed", "Claimed", "Finished"]
+    assert partner_files(h) == [row.final_name]
+
+    runs = await activity_runs(h, job_id)
+    builds = named(runs, "build")
+    assert [b.input.attempt_id for b in builds] == [first_attempt, first_attempt, second_attempt]
+    assert builds[0].outcome == "timed_out"
+    # The resumed build's renewal matched nothing: it ended without a file and without a write.
+    assert builds[1].outcome == "completed" and builds[1].result.ended == "LostOwnership"
+    assert builds[1].result.file is None
+    assert builds[2].outcome == "completed" and builds[2].result.file is not None
+    assert len(named(runs, "authorize_delivery")) == 1 and len(named(runs, "deliver")) == 1
+
+
+# --- RI9: a job that kills its worker on every attempt ---------------------------------------------------------------
+
+
+@pytest.mark.spec("RI9")
+async def test_job_that_kills_its_worker_every_attempt_ends_failed_at_the_cap(db, store, client, tmp_path):
+    async with crash_world(db, store, client, tmp_path, max_attempts=2) as h, processes(h) as started:
+        job_id = await h.create()
+        attempts: list[uuid.UUID] = []
+        recorded: list[str | None] = []
+        async with recovery_only_worker(h) as queue:
+            for attempt in (1, 2):
+                # Each attempt's worker dies mid-build. Its marker is removed first, so the wait is for this one.
+                (h.settings.work_dir / f"held-build_started-{job_id}").unlink(missing_ok=True)
+                crashing = await start(started, h, hold_at="build_started")
+                await held_at(h.settings, "build_started", job_id)
+                row = await h.store.read_job(job_id)
+                assert (row.status, row.attempt_count) == (Status.RUNNING, attempt)
+                attempts.append(row.attempt_id)
+                crashing.kill()
+                await forget_dead_worker(h, job_id)
+                await wait_lease_expired(h, job_id)
+                report = await recover_on(h, queue)
+                recorded += recorded_for(report, job_id)
+        assert recorded == ["RequeuedByRecovery", "AttemptsExhausted"]
+        failed = await h.store.read_job(job_id)
+        assert (failed.status, failed.failure_reason) == (Status.FAILED, FailureCode.ATTEMPTS_EXHAUSTED)
+        # A healthy worker lets the workflow read the row: it returns Failed and starts nothing more.
+        await start(started, h)
+        row = await h.settled(job_id)
+        result = await h.client.get_workflow_handle(f"export-{job_id}", result_type=ExportResult).result()
+
+    assert (result.status, result.failure_reason) == (Status.FAILED, FailureCode.ATTEMPTS_EXHAUSTED)
+    assert (row.status, row.failure_reason, row.attempt_count, row.attempt_id) == (
+        Status.FAILED, FailureCode.ATTEMPTS_EXHAUSTED, 2, attempts[1])
+    evts = await events(h, job_id)
+    assert len(set(attempts)) == 2
+    assert kinds_of(evts, attempts[0]) == ["Claimed", "RequeuedByRecovery"]
+    assert kinds_of(evts, attempts[1]) == ["Claimed", "AttemptsExhausted"]
+    assert len(evts) == 4
+    assert partner_files(h) == []
+    runs = await activity_runs(h, job_id)
+    assert len(named(runs, "claim")) == 2 and not named(runs, "authorize_delivery")
+    # Each dead build was resumed by the next worker, and each resumption's renewal matched nothing.
+    builds = named(runs, "build")
+    assert [(b.input.attempt_id, b.outcome) for b in builds] == [
+        (attempts[0], "timed_out"), (attempts[0], "completed"), (attempts[1], "timed_out"), (attempts[1], "completed")]
+    assert [b.result.ended for b in builds if b.result] == ["LostOwnership", "LostOwnership"]
+
+
+# --- IU4: interrupted after the partner's confirmation, before the terminal write -----------------------------------
+
+
+@pytest.mark.spec("IU4")
+async def test_crash_after_receipt_before_terminal_write__recovery_records_completed_without_upload(crash_harness):
+    h = crash_harness
+    async with processes(h) as started:
+        crashing = await start(started, h, hold_at="after_receipt")
+        job_id = await h.create()
+        await held_at(h.settings, "after_receipt", job_id)
+        crashing.kill()
+        await wait_lease_expired(h, job_id)
+        delivering = await h.store.read_job(job_id)
+        assert delivering.status is Status.DELIVERING and delivering.attempt_count == 1
+        assert partner_files(h) == [delivering.final_name]  # confirmed at the partner, not on the row
+
+        await start(started, h)  # a survivor: the export workflow and recovery run on it
+        # The survivor sees the dead delivery time out and leaves the row to recovery: it stays Delivering.
+        await eventually(lambda: activity_runs(h, job_id),
+                         lambda runs: [d.outcome for d in named(runs, "deliver")] == ["timed_out"]
+                         and runs[-1].name == "evaluate_policy" and runs[-1].outcome == "completed",
+                         timeout=30, interval=0.2, what="the lost delivery seen by the workflow")
+        assert (await h.store.read_job(job_id)).status is Status.DELIVERING
+        report = await asyncio.wait_for(run_recovery(h.client, h.settings), timeout=30)
+        assert recorded_for(report, job_id) == ["ResolvedByRecovery"]
+        row = await h.settled(job_id)
+
+    assert row.status is Status.COMPLETED and row.attempt_id == delivering.attempt_id
+    evts = await events(h, job_id)
+    # The attempt's receipt, then recovery's own listing (evidence both), then the resolution from them.
+    assert kinds_of(evts, row.attempt_id) == [
+        "Claimed", "DeliveryAuthorized", "DeliveryEvidence", "ResolvedByRecovery"]
+    resolved = [e for e in evts if e["kind"] == "ResolvedByRecovery"]
+    assert resolved[0]["detail"].startswith("Completed: receipt appended by the attempt")
+    assert "Finished" not in [e["kind"] for e in evts]
+    assert partner_files(h) == [row.final_name]
+    assert list((h.partner.root / "incoming-tmp").iterdir()) == []
+    assert len(named(await activity_runs(h, job_id), "deliver")) == 1  # never a second upload
+
+
+# --- LR3 / LR4: the claim's response lost, and the re-read failing too ----------------------------------------------
+
+
+@pytest.fixture
+async def proxy(db) -> AsyncIterator[PgFaultProxy]:
+    async with fault_proxy(db.server.socket_dir) as running:
+        yield running
+
+
+def cut_then_refuse(proxy: PgFaultProxy, fired: asyncio.Event) -> asyncio.Event:
+    """At the very moment a cut fires, also drop every other connection and refuse new ones, so the re-read (from
+    whatever pooled connection) fails too. Synchronous with the cut: there is no window for the re-read."""
+    original = fired.set
+
+    def trip() -> None:
+        proxy.refuse_new_connections()
+        proxy.cut_all()
+        original()
+
+    fired.set = trip  # type: ignore[method-assign]
+    return fired
+
+
+async def claim_answered(h: Harness, job_id: uuid.UUID) -> ClaimOutput:
+    runs = await eventually(lambda: activity_runs(h, job_id),
+                            lambda runs: any(r.name == "claim" and r.outcome for r in runs),
+                            timeout=30, interval=0.1, what="the first claim answered")
+    first = named(runs, "claim")[0]
+    assert first.outcome == "completed", first
+    return first.result
+
+
+@pytest.mark.spec("LR3")
+async def test_claim_lost_before_commit_and_reread_refused__wakeup_comes_again_and_runs_once(
+        crash_harness, proxy, db):
+    h = crash_harness
+    cut = cut_then_refuse(proxy, proxy.cut_before(CLAIM))
+    async with processes(h) as started:
+        await start(started, h, database_url=proxy.url("exports_app", db.name))
+        job_id = await h.create()
+        first = await claim_answered(h, job_id)
+        assert cut.is_set() and proxy.refused >= 1
+        assert first.result is ClaimResult.UNKNOWN
+        # Nothing committed: still Queued, no attempt, no event.
+        row = await h.store.read_job(job_id)
+        assert (row.status, row.attempt_id, row.attempt_count) == (Status.QUEUED, None, 0)
+        assert await events(h, job_id) == []
+        proxy.accept_new_connections()
+        row = await h.settled(job_id)
+
+    assert row.status is Status.COMPLETED and row.attempt_count == 1
+    evts = await events(h, job_id)
+    assert [e["kind"] for e in evts if e["kind"] in ("Claimed", "Finished")] == ["Claimed", "Finished"]
+    assert {e["attempt_id"] for e in evts} == {row.attempt_id}
+    assert partner_files(h) == [row.final_name]
+    runs = await activity_runs(h, job_id)
+    claims = named(runs, "claim")
+    assert [c.result.result for c in claims] == [ClaimResult.UNKNOWN, ClaimResult.CLAIMED]
+    assert len(named(runs, "build")) == 1 and len(named(runs, "deliver")) == 1
+
+
+@pytest.mark.spec("LR4")
+async def test_claim_lost_after_commit_and_reread_refused__wakeup_finds_running_recovery_takes_over(
+        crash_harness, proxy, db):
+    h = crash_harness
+    cut = cut_then_refuse(proxy, proxy.cut_after_commit(CLAIM))
+    async with processes(h) as started:
+        await start(started, h, database_url=proxy.url("exports_app", db.name))
+        job_id = await h.create()
+        first = await claim_answered(h, job_id)
+        assert cut.is_set() and proxy.refused >= 1
+        assert first.result is ClaimResult.UNKNOWN
+        # The claim did commit: Running under an attempt the workflow never heard of.
+        claimed = await h.store.read_job(job_id)
+        assert (claimed.status, claimed.attempt_count) == (Status.RUNNING, 1)
+        first_attempt = claimed.attempt_id
+        proxy.accept_new_connections()
+
+        # The repeated wake-up reads the row, finds it Running, and does nothing: no claim, no build.
+        runs = await eventually(
+            lambda: activity_runs(h, job_id),
+            lambda runs: len(named(runs, "evaluate_policy")) == 2 and runs[-1].outcome == "completed",
+            timeout=30, interval=0.2, what="the repeated wake-up")
+        assert runs[-1].name == "evaluate_policy" and runs[-1].result.row.status is Status.RUNNING
+        assert not runs[-1].result.allowed
+        assert len(named(runs, "claim")) == 1 and not named(runs, "build")
+
+        # Nobody renews the attempt's lease; once it expires, recovery takes the attempt over.
+        await wait_lease_expired(h, job_id)
+        report = await asyncio.wait_for(run_recovery(h.client, h.settings), timeout=30)
+        assert recorded_for(report, job_id) == ["RequeuedByRecovery"]
+        row = await h.settled(job_id)
+
+    assert row.status is Status.COMPLETED and row.attempt_count == 2 and row.attempt_id != first_attempt
+    evts = await events(h, job_id)
+    assert kinds_of(evts, first_attempt) == ["Claimed", "RequeuedByRecovery"]
+    assert kinds_of(evts, row.attempt_id) == ["Claimed", "DeliveryAuthorized", "DeliveryEvidence", "Finished"]
+    assert partner_files(h) == [row.final_name]
+    runs = await activity_runs(h, job_id)
+    assert [c.result.result for c in named(runs, "claim")] == [ClaimResult.UNKNOWN, ClaimResult.CLAIMED]
+    assert [b.input.attempt_id for b in named(runs, "build")] == [row.attempt_id]
+    assert len(named(runs, "deliver")) == 1
