@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from contextlib import AsyncExitStack
 
 import pytest
@@ -77,3 +78,24 @@ async def test_crash_after_cutoff_2_before_upload_ends_outcome_unknown_never_a_s
     delivers = [e for e in history.events if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
                 and e.activity_task_scheduled_event_attributes.activity_type.name == "deliver"]
     assert len(delivers) == 1
+
+
+@pytest.mark.spec("TW3", "SW1")
+async def test_sweeper_workflow__republishes_a_job_whose_wake_up_was_lost_and_it_runs(harness: Harness):
+    from activities.contracts import SweepInput
+
+    h = harness
+    # A queued job whose only wake-up was lost: its outbox row was marked published, but no workflow got it.
+    job_id = uuid.uuid4()
+    await h.store.create_job(job_id=job_id, tenant_id=h.tenant_id, destination_id=h.destination_id,
+                             delivery_key=job_id.hex, created_by="tests")
+    await h.db.admin.execute("UPDATE outbox SET published_at = clock_timestamp() WHERE job_id = $1", job_id)
+    await h.db.admin.execute("UPDATE export_jobs SET woken_at = clock_timestamp() - interval '31 minutes' "
+                             "WHERE id = $1", job_id)
+    swept = await h.client.execute_workflow(
+        "SweeperWorkflow", SweepInput(threshold_seconds=1800, batch=10), id=f"sweep-{uuid.uuid4().hex[:8]}",
+        task_queue=h.settings.task_queue, result_type=int)
+    assert swept == 1
+    row = await h.settled(job_id)  # the sweep's outbox row reached the dispatcher, which started the workflow
+    assert (row.status, row.sweep_count) == (Status.COMPLETED, 1)
+    assert await h.db.admin.fetchval("SELECT count(*) FROM outbox WHERE job_id = $1", job_id) == 2
