@@ -72,6 +72,7 @@ class ExportActivities:
             self.read_export,
             self.claim,
             self.build,
+            self.stop_attempt,
             self.authorize_delivery,
             self.deliver,
             self.record_cancellation,
@@ -234,6 +235,11 @@ class ExportActivities:
         except Exception as exc:
             log.warning("preparation could not list %s for %s: %s", job.final_name, job.id, exc)
             return False
+
+    @activity.defn
+    async def stop_attempt(self, request: AttemptInput) -> bool:
+        """A stop recorded while no build runs for the attempt: the conditional Running -> Stopped."""
+        return await self.store.finish_stopped(request.job.id, request.attempt_id, "BeforeBuild")
 
     @activity.defn
     async def authorize_delivery(self, request: AuthorizeInput) -> AuthorizeOutput:

@@ -469,3 +469,25 @@ async def test_claim_lost_after_commit_and_reread_refused__wakeup_finds_running_
     assert [c.result.result for c in named(runs, "claim")] == [ClaimResult.UNKNOWN, ClaimResult.CLAIMED]
     assert [b.input.attempt_id for b in named(runs, "build")] == [row.attempt_id]
     assert len(named(runs, "deliver")) == 1
+
+
+@pytest.mark.spec("AR3", "TW6")
+async def test_stop_while_the_builds_worker_is_dead__ends_stopped_and_the_workflow_returns_it(crash_harness):
+    """Found by the chaos run: a stop recorded while the build's worker is dead must not fail the workflow. The
+    build cannot record it, so the workflow records the stop without a build; the row and the result agree."""
+    h = crash_harness
+    async with processes(h) as started:
+        a = await start(started, h, hold_at="build_started")
+        job_id = await h.create()
+        await held_at(h.settings, "build_started", job_id)
+        await start(started, h)  # worker B, which would resume the build
+        a.kill()
+        await forget_dead_worker(h, job_id)
+        stop = await h.exports.cancel(tenant_id=h.tenant_id, job_id=job_id, requested_by="op", reason="stop")
+        assert stop.outcome.value == "StopRequested"
+        row = await h.settled(job_id)  # also asserts the workflow's result equals the row's status
+    assert row.status is Status.STOPPED and row.stop_request_id == stop.request_id
+    kinds = [e["kind"] for e in await events(h, job_id)]
+    assert kinds == ["Claimed", "Stopped"]  # recorded by the workflow's stop, not left to recovery
+    assert partner_files(h) == []
+    assert [b.outcome for b in named(await activity_runs(h, job_id), "build")] == ["timed_out"]

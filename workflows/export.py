@@ -235,6 +235,8 @@ class ExportWorkflow:
         heartbeating), resume on any worker under the same attempt. Each build first renews the lease, which
         fails once a takeover has committed, so a resumed build never competes with recovery."""
         for resumption in range(_BUILD_RESUMPTIONS + 1):
+            if self._stop_seen:
+                return await self._stop_without_build(attempt)
             self._build = workflow.start_activity(
                 "build",
                 attempt,
@@ -247,10 +249,12 @@ class ExportWorkflow:
                 cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
                 summary="build contacts CSV" if resumption == 0 else f"build contacts CSV, resumed ({resumption})",
             )
-            if self._stop_seen:
-                self._build.cancel()
             try:
                 return await self._build
+            except asyncio.CancelledError:
+                # Only this workflow cancels a build (Temporal's cancel of the run is shielded in `run`): a stop
+                # arrived before the build could start, so no activity will record it.
+                return await self._stop_without_build(attempt)
             except ActivityError as err:
                 if not isinstance(err.cause, TimeoutError):
                     return None  # the build ended in a way the row records (or recovery will)
@@ -258,6 +262,14 @@ class ExportWorkflow:
                 queue = workflow.info().task_queue
             finally:
                 self._build = None
+        return None
+
+    async def _stop_without_build(self, attempt: AttemptInput) -> None:
+        """Record the stop for an attempt whose build is not running: Running -> Stopped, conditional on this
+        attempt and on the recorded stop request, so a build that does run on somewhere is refused at cutoff 2."""
+        await workflow.execute_activity(
+            "stop_attempt", attempt, result_type=bool, summary="stop, no build running", **_SHORT
+        )
         return None
 
     async def _serve_cancellations(self) -> None:

@@ -1,0 +1,512 @@
+"""Chaos: real worker processes killed at random while exports run, are canceled (some twice with one request ID,
+some through Temporal's own cancel) and recovery runs every second; then the invariants, read from PostgreSQL and
+the partner's folders.
+
+Runs only with EXPORTS_CHAOS=1. Seeded: the seed is printed, and EXPORTS_CHAOS_SEED=<seed> replays the same
+sequence of actions (their timing against the workers is, of course, not replayed exactly).
+
+    EXPORTS_CHAOS=1 .venv/bin/pytest tests/test_chaos.py -q -p no:cacheprovider -s
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import random
+import time
+import uuid
+from collections import Counter, defaultdict
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.workflowservice.v1 import ResetStickyTaskQueueRequest
+from temporalio.service import RPCError
+
+from activities.contracts import TEMPORAL_CANCEL_OPERATOR, ExportResult
+from store.models import CancellationOutcome, CancellationResult, FailureCode, Status
+from tests.workflow_support import Harness, WorkerProcess, open_harness, run_recovery
+from worker import running_worker
+
+LEASE = 2.0
+WORKERS = 3
+EXPORTS = 30
+CHAOS_SECONDS = 30.0        # creations, cancels, kills and Temporal cancels happen in this window
+CREATE_WITHIN = 16.0        # all exports are created within the first seconds of the window
+SETTLE_SECONDS = 100.0      # afterwards: one healthy worker and recovery until every row is settled
+RESULT_SECONDS = 40.0       # then every workflow must have returned
+RECOVERY_EVERY = 1.0
+
+NO_FILE_FAILURES = {FailureCode.BUILD_FAILED, FailureCode.ATTEMPTS_EXHAUSTED, FailureCode.FINAL_NAME_OCCUPIED}
+NO_FILE_STATUSES = {Status.CANCELED, Status.REJECTED, Status.STOPPED}
+STOP_OUTCOMES = {CancellationOutcome.STOP_REQUESTED, CancellationOutcome.STOP_ALREADY_REQUESTED}
+
+
+@dataclass
+class CancelCall:
+    job_id: uuid.UUID
+    request_id: uuid.UUID
+    twice: bool
+    concurrent: bool
+    answers: list[CancellationResult] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class Chaos:
+    rng: random.Random
+    h: Harness
+    work_root: Path
+    jobs: list[uuid.UUID] = field(default_factory=list)
+    workers: list[WorkerProcess] = field(default_factory=list)  # every process started, dead or alive
+    cancels: list[CancelCall] = field(default_factory=list)
+    temporal_cancels: list[tuple[uuid.UUID, Status | None]] = field(default_factory=list)  # (job, row status before)
+    kills: int = 0
+    final_kills: int = 0
+    recoveries: int = 0
+    recovery_errors: list[str] = field(default_factory=list)
+    recorded: Counter = field(default_factory=Counter)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)
+    t0: float = field(default_factory=time.monotonic)
+
+    def note(self, text: str) -> None:
+        line = f"[{time.monotonic() - self.t0:6.1f}s] {text}"
+        self.log.append(line)
+
+    def alive(self) -> list[WorkerProcess]:
+        return [w for w in self.workers if w.process is not None and w.process.returncode is None]
+
+    async def start_worker(self) -> WorkerProcess:
+        n = len(self.workers)
+        process = WorkerProcess(self.h.settings, work_dir=self.work_root / f"w{n}")
+        self.workers.append(process)  # before start: a half-started process is still killed in finally
+        await process.start()
+        self.note(f"worker w{n} started (pid {process.process.pid})")
+        return process
+
+
+# --- actions ---------------------------------------------------------------------------------------------------------
+
+
+async def cancel_once(c: Chaos, call: CancelCall) -> CancellationResult:
+    """One submission; a Busy answer (nothing recorded) is retried with the same request ID, as the client says."""
+    for _ in range(50):
+        result = await c.h.exports.cancel(tenant_id=c.h.tenant_id, job_id=call.job_id, requested_by="chaos@example.com",
+                                          reason="chaos", request_id=call.request_id)
+        if result.outcome is not CancellationOutcome.BUSY:
+            return result
+        await asyncio.sleep(0.05)
+    return result
+
+
+async def do_cancel(c: Chaos, call: CancelCall) -> None:
+    try:
+        if call.twice and call.concurrent:
+            call.answers += await asyncio.gather(cancel_once(c, call), cancel_once(c, call))
+        else:
+            call.answers.append(await cancel_once(c, call))
+            if call.twice:
+                await asyncio.sleep(c.rng.uniform(0.0, 0.5))
+                call.answers.append(await cancel_once(c, call))
+    except Exception as exc:  # noqa: BLE001 - recorded and reported: the check below counts rows, whatever the client saw
+        call.error = f"{type(exc).__name__}: {exc}"
+
+
+async def do_temporal_cancel(c: Chaos, job_id: uuid.UUID) -> None:
+    try:
+        before = await c.h.store.read_job(job_id)
+        await c.h.client.get_workflow_handle(f"export-{job_id}").cancel()
+        c.temporal_cancels.append((job_id, before.status if before else None))
+        c.note(f"temporal cancel export-{job_id} (row was {before.status if before else None})")
+    except RPCError as exc:  # not started yet, or already closed
+        c.note(f"temporal cancel export-{job_id} refused: {exc.status.name}")
+
+
+async def forget_sticky(c: Chaos) -> None:
+    """After a SIGKILL Temporal keeps workflow tasks on the dead worker's sticky queue for a few seconds; ask it to
+    drop them now, as a graceful shutdown would. Only saves time; the row decides everything."""
+    for job_id in c.jobs:
+        try:
+            await c.h.client.workflow_service.reset_sticky_task_queue(ResetStickyTaskQueueRequest(
+                namespace=c.h.client.namespace, execution=WorkflowExecution(workflow_id=f"export-{job_id}")))
+        except RPCError:
+            pass
+
+
+async def kill_one(c: Chaos, *, replace: bool = True) -> None:
+    alive = c.alive()
+    if not alive:
+        return
+    victim = c.rng.choice(alive)
+    victim.kill()
+    await victim.process.wait()
+    c.kills += 1
+    c.note(f"SIGKILL worker pid {victim.process.pid}")
+    if replace:
+        await asyncio.sleep(c.rng.uniform(0.0, 1.5))
+        await c.start_worker()
+    await forget_sticky(c)
+
+
+async def recovery_loop(c: Chaos, settings, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            report = await asyncio.wait_for(run_recovery(c.h.client, settings), timeout=30)
+            c.recoveries += 1
+            for t in report.taken_over:
+                if t.recorded:
+                    c.recorded[t.recorded] += 1
+                    c.note(f"recovery: {t.recorded} {t.job_id} {t.detail}")
+        except Exception as exc:  # noqa: BLE001 - counted and printed; the invariants decide
+            c.recovery_errors.append(f"{type(exc).__name__}: {exc}")
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=c.rng.uniform(0.7, 1.3) * RECOVERY_EVERY)
+        except TimeoutError:
+            pass
+
+
+async def chaos_window(c: Chaos) -> None:
+    rng = c.rng
+    create_gap = CREATE_WITHIN / EXPORTS
+    next_create = 0.0
+    start = time.monotonic()
+    while (now := time.monotonic() - start) < CHAOS_SECONDS:
+        if len(c.jobs) < EXPORTS and now >= next_create:
+            job_id = await c.h.create()
+            c.jobs.append(job_id)
+            c.note(f"created {job_id}")
+            next_create = now + rng.uniform(0.3, 1.7) * create_gap
+        if c.jobs:
+            roll = rng.random()
+            if roll < 0.14:
+                call = CancelCall(job_id=rng.choice(c.jobs), request_id=uuid.uuid4(), twice=rng.random() < 0.4,
+                                  concurrent=rng.random() < 0.5)
+                c.cancels.append(call)
+                c.note(f"cancel {call.job_id} request {call.request_id} twice={call.twice} "
+                       f"concurrent={call.concurrent}")
+                c.tasks.append(asyncio.create_task(do_cancel(c, call)))
+            elif roll < 0.20:
+                c.tasks.append(asyncio.create_task(do_temporal_cancel(c, rng.choice(c.jobs))))
+            elif roll < 0.30:
+                c.tasks.append(asyncio.create_task(kill_one(c)))
+        await asyncio.sleep(rng.uniform(0.2, 0.8))
+
+
+# --- reading the outcome ---------------------------------------------------------------------------------------------
+
+
+async def unsettled(c: Chaos) -> list[uuid.UUID]:
+    rows = await c.h.db.admin.fetch("SELECT id, status FROM export_jobs WHERE id = ANY($1::uuid[])", c.jobs)
+    return [r["id"] for r in rows if not Status(r["status"]).is_settled]
+
+
+async def settle(c: Chaos) -> float:
+    """Stop the chaos: keep one healthy worker (start one if none is alive), recovery keeps running."""
+    alive = c.alive()
+    keep = alive[-1] if alive else await c.start_worker()
+    for w in c.alive():
+        if w is not keep:
+            w.kill()
+            await w.process.wait()
+            c.final_kills += 1
+    await forget_sticky(c)
+    started = time.monotonic()
+    while time.monotonic() - started < SETTLE_SECONDS:
+        if keep.process.returncode is not None:  # the healthy worker must not die on its own
+            raise AssertionError(f"the healthy worker exited with {keep.process.returncode}; see {keep.log_path}")
+        if not await unsettled(c):
+            return time.monotonic() - started
+        await asyncio.sleep(0.5)
+    rest = await unsettled(c)
+    rows = await c.h.db.admin.fetch("SELECT id, status, attempt_count, lease_expires_at FROM export_jobs "
+                                    "WHERE id = ANY($1::uuid[])", rest)
+    raise AssertionError(f"{len(rest)} exports not settled within {SETTLE_SECONDS} s: {[dict(r) for r in rows]}")
+
+
+def is_temporal_cancel(record: dict[str, Any]) -> bool:
+    return record["requested_by"].startswith(TEMPORAL_CANCEL_OPERATOR)
+
+
+def parse(detail: str | None) -> dict[str, Any]:
+    try:
+        value = json.loads(detail or "")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+async def check_invariants(c: Chaos) -> tuple[list[str], list[str], dict[str, Any]]:
+    """Violations, observations worth reporting, and the rows by ID."""
+    admin = c.h.db.admin
+    violations: list[str] = []
+    notes: list[str] = []
+    rows = {r["id"]: dict(r) for r in await admin.fetch(
+        "SELECT * FROM export_jobs WHERE tenant_id = $1", c.h.tenant_id)}
+    if set(rows) != set(c.jobs):
+        violations.append(f"rows {len(rows)} do not match the {len(c.jobs)} exports created")
+    events: dict[uuid.UUID, list[dict[str, Any]]] = defaultdict(list)
+    for e in await admin.fetch("SELECT job_id, attempt_id, kind, worker_id, observed_by, detail "
+                               "FROM export_attempt_events ORDER BY id"):
+        events[e["job_id"]].append(dict(e))
+    requests = [dict(r) for r in await admin.fetch("SELECT * FROM cancellation_requests")]
+    requests_by_job: dict[uuid.UUID, list[dict[str, Any]]] = defaultdict(list)
+    for r in requests:
+        requests_by_job[r["job_id"]].append(r)
+
+    outbound = c.h.partner.root / "outbound"
+    temp = c.h.partner.root / "incoming-tmp"
+    out_files = {p.name for p in outbound.iterdir()}
+    temp_files = sorted(p.name for p in temp.iterdir())
+
+    def ev(job_id, msg):
+        kinds = [f"{e['kind']}@{str(e['attempt_id'])[:8]}" for e in events[job_id]
+                 if e["kind"] != "DeliveryEvidence"]
+        violations.append(f"export {job_id}: {msg} | events {kinds} | requests "
+                          f"{[(r['outcome'], r['found_status'], r['requested_by']) for r in requests_by_job[job_id]]}")
+
+    for job_id, row in rows.items():
+        status = Status(row["status"])
+        failure = FailureCode(row["failure_reason"]) if row["failure_reason"] else None
+        final = f"contacts-{row['delivery_key']}.csv"
+        evts = events[job_id]
+        by_kind = Counter(e["kind"] for e in evts)
+
+        # Files at the partner.
+        if status is Status.COMPLETED:
+            path = outbound / final
+            if not path.exists():
+                ev(job_id, f"Completed but {final} is not at the partner")
+            else:
+                data = path.read_bytes()
+                if (len(data), hashlib.sha256(data).digest()) != (row["expected_file_bytes"],
+                                                                  bytes(row["expected_file_sha256"])):
+                    ev(job_id, f"Completed but {final} differs from the expected file")
+        elif status in NO_FILE_STATUSES or (status is Status.FAILED and failure in NO_FILE_FAILURES):
+            if final in out_files:
+                ev(job_id, f"{status}/{failure} but {final} is at the partner")
+        elif status is Status.OUTCOME_UNKNOWN:
+            notes.append(f"OutcomeUnknown {job_id}: final file {'present' if final in out_files else 'absent'}")
+        if not status.is_settled:
+            ev(job_id, f"still {status}")
+
+        # Never a second upload; one terminal per attempt.
+        if by_kind["DeliveryAuthorized"] > 1:
+            ev(job_id, f"{by_kind['DeliveryAuthorized']} DeliveryAuthorized events")
+        uploaders = {e["observed_by"] for e in evts if e["kind"] == "DeliveryEvidence"
+                     and parse(e["detail"]).get("step") in ("baseline", "rename")}
+        if len(uploaders) > 1:
+            ev(job_id, f"uploads by more than one attempt/worker: {sorted(uploaders)}")
+        per_attempt = Counter(e["attempt_id"] for e in evts if e["kind"] in ("Finished", "ResolvedByRecovery"))
+        for attempt, n in per_attempt.items():
+            if n > 1:
+                ev(job_id, f"attempt {attempt} has {n} Finished/ResolvedByRecovery events")
+        authorized = by_kind["DeliveryAuthorized"] > 0
+        if status in (Status.COMPLETED, Status.OUTCOME_UNKNOWN) and not authorized:
+            ev(job_id, f"{status} without DeliveryAuthorized")
+        if status is Status.OUTCOME_UNKNOWN:
+            explained = [e for e in evts if e["attempt_id"] == row["attempt_id"]
+                         and e["kind"] in ("Finished", "ResolvedByRecovery")]
+            if not explained:
+                ev(job_id, "OutcomeUnknown without Finished or ResolvedByRecovery for its attempt")
+
+        # Cancellation requests against this job, as recorded under the row lock.
+        for r in requests_by_job[job_id]:
+            outcome = CancellationOutcome(r["outcome"])
+            if outcome is CancellationOutcome.CANCELED_WHILE_QUEUED and status is not Status.CANCELED:
+                ev(job_id, f"CanceledWhileQueued recorded, but the export ended {status}")
+            if outcome in STOP_OUTCOMES:
+                if authorized:
+                    ev(job_id, f"{outcome} recorded, yet delivery was authorized")
+                elif status is not Status.STOPPED:
+                    ev(job_id, f"{outcome} recorded, never authorized, but the export ended {status}/{failure}")
+            if outcome is CancellationOutcome.TOO_LATE and not authorized:
+                ev(job_id, "TooLate recorded, but no DeliveryAuthorized event")
+        if status is Status.CANCELED and not any(
+                r["outcome"] == CancellationOutcome.CANCELED_WHILE_QUEUED for r in requests_by_job[job_id]):
+            ev(job_id, "Canceled without a CanceledWhileQueued request")
+        if status is Status.STOPPED and not row["stop_request_id"]:
+            ev(job_id, "Stopped without a stop request")
+
+    # Each request ID this test submitted has exactly one record, and both submissions of one click agree.
+    counts = Counter(r["id"] for r in requests)
+    for call in c.cancels:
+        if call.error:
+            notes.append(f"cancel {call.request_id} on {call.job_id}: client error {call.error}")
+        if counts[call.request_id] != 1:
+            violations.append(f"cancel request {call.request_id} on {call.job_id}: {counts[call.request_id]} "
+                              f"records (answers {[a.outcome for a in call.answers]}, error {call.error})")
+        outcomes = {a.outcome for a in call.answers}
+        if len(outcomes) > 1:
+            violations.append(f"cancel request {call.request_id}: submissions answered differently: {outcomes}")
+        recorded = [r for r in requests if r["id"] == call.request_id]
+        if recorded and outcomes and outcomes != {CancellationOutcome(recorded[0]["outcome"])}:
+            violations.append(f"cancel request {call.request_id}: answered {outcomes}, recorded "
+                              f"{recorded[0]['outcome']}")
+    # A Temporal cancel becomes one stop request per run (its ID derived from the run), however often it is sent;
+    # one sent while the row still needed an attempt is recorded.
+    for job_id in dict.fromkeys(j for j, _ in c.temporal_cancels):
+        before = [b for j, b in c.temporal_cancels if j == job_id]
+        mine = [r for r in requests_by_job[job_id] if is_temporal_cancel(r)]
+        notes.append(f"Temporal cancel x{len(before)} of {job_id} (row before: {[str(b) for b in before]}): "
+                     f"export {rows[job_id]['status']}, records {[(r['outcome'], r['found_status']) for r in mine]}")
+        if len(mine) > 1:
+            ev(job_id, f"Temporal cancel: {len(mine)} records for one run")
+        if len(mine) != 1 and any(b is not None and not b.is_settled for b in before):
+            ev(job_id, f"Temporal cancel accepted while the row was {before}, but {len(mine)} records")
+    for rid, n in counts.items():
+        if n != 1:
+            violations.append(f"request {rid} has {n} records")
+
+    # Files at the partner that belong to no export, and leftovers in the temporary folder.
+    known = {f"contacts-{row['delivery_key']}.csv" for row in rows.values()}
+    for name in sorted(out_files - known):
+        violations.append(f"unexpected file at the partner: {name}")
+    by_key = {row["delivery_key"]: job_id for job_id, row in rows.items()}
+    for name in temp_files:
+        # .contacts-<key>.csv.<attempt>.part
+        stem = name.removeprefix(".contacts-").removesuffix(".part")
+        key, _, attempt = stem.partition(".csv.")
+        job_id = by_key.get(key)
+        if job_id is None:
+            violations.append(f"temporary file of no known export: {name}")
+            continue
+        status = Status(rows[job_id]["status"])
+        kinds = [e["kind"] for e in events[job_id] if str(e["attempt_id"]) == attempt]
+        interrupted = "DeliveryAuthorized" in kinds and "Finished" not in kinds
+        notes.append(f"temporary file {name}: export {job_id} {status}, attempt events "
+                     f"{[k for k in kinds if k != 'DeliveryEvidence']}")
+        if not interrupted:
+            ev(job_id, f"temporary file {name} left by an attempt whose delivery was not interrupted")
+
+    # Every workflow closed, with the row's status as its result.
+    async def result_of(job_id):
+        handle = c.h.client.get_workflow_handle(f"export-{job_id}", result_type=ExportResult)
+        return await asyncio.wait_for(handle.result(), timeout=RESULT_SECONDS)
+
+    results = await asyncio.gather(*(result_of(j) for j in rows), return_exceptions=True)
+    for job_id, result in zip(rows, results):
+        row = rows[job_id]
+        if isinstance(result, BaseException):
+            causes, cause = [], result
+            while cause is not None:
+                causes.append(f"{type(cause).__name__}: {cause}")
+                cause = cause.__cause__ or getattr(cause, "cause", None)
+            ev(job_id, f"workflow did not return: {' <- '.join(causes)} | history tail: "
+                       f"{await history_tail(c, job_id)}")
+        elif (result.status.value, result.failure_reason) != (
+                row["status"], FailureCode(row["failure_reason"]) if row["failure_reason"] else None):
+            ev(job_id, f"workflow returned {result.status}/{result.failure_reason}, row {row['status']}/"
+                       f"{row['failure_reason']}")
+    return violations, notes, rows
+
+
+async def history_tail(c: Chaos, job_id: uuid.UUID, n: int = 14) -> list[str]:
+    """The last events of the export's workflow history, in brief: enough to say how a run ended."""
+    from google.protobuf.json_format import MessageToDict
+    from temporalio.api.enums.v1 import EventType
+
+    history = await c.h.client.get_workflow_handle(f"export-{job_id}").fetch_history()
+    out = []
+    for e in history.events[-n:]:
+        name = EventType.Name(e.event_type).removeprefix("EVENT_TYPE_")
+        attrs = MessageToDict(e)
+        attrs = {k: v for k, v in attrs.items() if k.endswith("Attributes")}
+        brief = json.dumps(attrs)[:400]
+        out.append(f"{e.event_id} {name} {brief}")
+    return out
+
+
+def summary(c: Chaos, rows: dict[uuid.UUID, dict[str, Any]], requests: list[dict[str, Any]],
+            durations: dict[str, float]) -> str:
+    statuses = Counter(f"{r['status']}" + (f"/{r['failure_reason']}" if r["failure_reason"] else "")
+                       for r in rows.values())
+    outcomes = Counter(r["outcome"] for r in requests)
+    lines = ["", "=" * 60, f"chaos summary (seed {durations['seed']:.0f})", "-" * 60]
+    lines += [f"  {status:<32} {n:>4}" for status, n in sorted(statuses.items())]
+    lines += ["-" * 60,
+              f"  exports created                  {len(c.jobs):>4}",
+              f"  worker processes started         {len(c.workers):>4}",
+              f"  SIGKILLs during chaos            {c.kills:>4}",
+              f"  SIGKILLs to leave one worker     {c.final_kills:>4}",
+              f"  client cancels (clicks)          {len(c.cancels):>4}",
+              f"    of which submitted twice       {sum(x.twice for x in c.cancels):>4}",
+              f"  Temporal cancels delivered       {len(c.temporal_cancels):>4}",
+              f"  recovery runs                    {c.recoveries:>4}",
+              f"  recovery run errors              {len(c.recovery_errors):>4}"]
+    lines += [f"  recovery recorded {kind:<15}{n:>4}" for kind, n in sorted(c.recorded.items())]
+    lines += [f"  cancel records {o:<18}{n:>4}" for o, n in sorted(outcomes.items())]
+    lines += ["-" * 60,
+              (f"  chaos window {durations['chaos']:.1f} s, settling {durations['settle']:.1f} s, "
+               f"checks {durations['check']:.1f} s, total {durations['total']:.1f} s"),
+              "=" * 60]
+    return "\n".join(lines)
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(240)  # bounded to about 3 minutes, plus the fixtures' own start-up
+async def test_chaos__kills_cancels_and_recovery_keep_every_invariant(db, store, client, tmp_path):
+    seed = int(os.environ.get("EXPORTS_CHAOS_SEED") or random.SystemRandom().randrange(1, 10**6))
+    print(f"\nchaos seed {seed} (replay with EXPORTS_CHAOS_SEED={seed})")
+    t0 = time.monotonic()
+    async with AsyncExitStack() as stack:
+        # About 90 kB per export, built and uploaded at 40 kB/s each: about 2 s of building and 2 s of uploading,
+        # so builds, deliveries, kills and cancels overlap. Lease 2 s, renewed every 0.5 s.
+        h = await open_harness(stack, db, store, client, tmp_path, in_process_worker=False, contacts=1000,
+                               lease_seconds=LEASE, renew_every_seconds=0.5,
+                               build_throttle_bytes_per_second=40_000, upload_throttle_bytes_per_second=40_000)
+        c = Chaos(rng=random.Random(seed), h=h, work_root=tmp_path / "work")
+        # Recovery runs on a worker of its own, in this process (no dispatcher, never killed), so that a killed
+        # export worker cannot hold a recovery run's activity until its timeout.
+        recovery_settings = h.settings.model_copy(update={"task_queue": f"{h.settings.task_queue}-recovery",
+                                                          "work_dir": tmp_path / "work" / "recovery"})
+        await stack.enter_async_context(running_worker(recovery_settings, client, with_dispatcher=False))
+        stop_recovery = asyncio.Event()
+        recovery_task = None
+        try:
+            for _ in range(WORKERS):
+                await c.start_worker()
+            recovery_task = asyncio.create_task(recovery_loop(c, recovery_settings, stop_recovery))
+            chaos_started = time.monotonic()
+            await chaos_window(c)
+            await asyncio.gather(*c.tasks)
+            chaos_took = time.monotonic() - chaos_started
+            settle_took = await settle(c)
+            stop_recovery.set()
+            await recovery_task
+            check_started = time.monotonic()
+            violations, notes, rows = await check_invariants(c)
+            requests = [dict(r) for r in await db.admin.fetch("SELECT * FROM cancellation_requests")]
+            durations = {"seed": seed, "chaos": chaos_took, "settle": settle_took,
+                         "check": time.monotonic() - check_started, "total": time.monotonic() - t0}
+            print(summary(c, rows, requests, durations))
+            temporal_records = [r for r in requests if is_temporal_cancel(r)]
+            print(f"  Temporal-cancel records: {Counter(r['outcome'] for r in temporal_records)}")
+            for line in notes:
+                print(f"  note: {line}")
+            for line in c.recovery_errors[:5]:
+                print(f"  recovery error: {line}")
+            print("\n".join(c.log))
+            if violations:
+                for w in c.workers:
+                    print(f"  worker log: {w.log_path}")
+            for v in violations:
+                print(f"VIOLATION {v}")
+            assert not violations, f"seed {seed}: {len(violations)} invariant violations:\n" + "\n".join(violations)
+        finally:
+            stop_recovery.set()
+            if recovery_task is not None and not recovery_task.done():
+                recovery_task.cancel()
+            for t in c.tasks:
+                if not t.done():
+                    t.cancel()
+            for w in c.workers:
+                w.kill()
+            for w in c.workers:
+                if w.process is not None:
+                    await asyncio.wait_for(w.process.wait(), timeout=15)
