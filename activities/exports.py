@@ -69,7 +69,6 @@ class ExportActivities:
         return [
             self.create_export,
             self.evaluate_policy,
-            self.read_export,
             self.claim,
             self.build,
             self.stop_attempt,
@@ -98,10 +97,6 @@ class ExportActivities:
                 raise ApplicationError("an export with this ID already exists", non_retryable=True) from None
         except errors.ConstraintViolation as exc:
             raise ApplicationError(str(exc), type=type(exc).__name__, non_retryable=True) from exc
-
-    @activity.defn
-    async def read_export(self, job_id: str) -> JobRow | None:
-        return await self.store.read_job(_uuid(job_id))
 
     @activity.defn
     async def evaluate_policy(self, job_id: str) -> Evaluation:
