@@ -32,6 +32,7 @@ from starter.localstack.temporal import LocalTemporal
 from starter.schedules import install_schedules
 from starter.temporal import connect_temporal
 from store.db import asyncpg_dsn, migrate
+from activities.contracts import ExportResult
 from store.models import CancellationOutcome, JobRow, Status
 from store.settings import LOCAL_ENV_FILE, Settings
 
@@ -57,6 +58,7 @@ class DemoExport:
     cancel_outcome: CancellationOutcome | None = None
     expected_cancel: CancellationOutcome | None = None
     row: JobRow | None = None
+    result: ExportResult | None = None  # what its workflow returned
     notes: list[str] = field(default_factory=list)
 
 
@@ -171,8 +173,15 @@ async def _stop_process(process: asyncio.subprocess.Process) -> None:
 
 
 async def _create(client: ExportsClient, destination: uuid.UUID, label: str, expected: Status) -> DemoExport:
+    """The row and its wake-up only (`exports create`); the dispatcher starts the workflow when a worker runs."""
     job_id = await client.create(tenant_id=DEMO_TENANT, destination_id=destination, created_by="demo@make-run")
     return DemoExport(label=label, expected=expected, job_id=job_id)
+
+
+async def _start(client: ExportsClient, destination: uuid.UUID, label: str, expected: Status) -> DemoExport:
+    """A platform team's way: a plain Temporal client call; the workflow creates the row and returns its state."""
+    handle = await client.start(tenant_id=DEMO_TENANT, destination_id=destination, created_by="platform-team@demo")
+    return DemoExport(label=label, expected=expected, job_id=uuid.UUID(handle.id.removeprefix("export-")))
 
 
 async def _cancel(client: ExportsClient, export: DemoExport):
@@ -184,18 +193,14 @@ async def _run_demo(
     client: ExportsClient, destinations: dict[str, uuid.UUID], exports: list[DemoExport]
 ) -> list[DemoExport]:
     enabled = destinations["enabled"]
-    exports += [await _create(client, enabled, f"plain export {n}", Status.COMPLETED) for n in (1, 2, 3)]
-    exports.append(await _create(client, destinations["disabled"], "disabled destination", Status.REJECTED))
-    building = await _create(client, enabled, "cancel while building", Status.STOPPED)
+    exports += [await _start(client, enabled, f"plain export {n}", Status.COMPLETED) for n in (1, 2, 3)]
+    exports.append(await _start(client, destinations["disabled"], "disabled destination", Status.REJECTED))
+    building = await _start(client, enabled, "cancel while building", Status.STOPPED)
     building.expected_cancel = CancellationOutcome.STOP_REQUESTED
-    late = await _create(client, enabled, "cancel after cutoff 2", Status.COMPLETED)
+    late = await _start(client, enabled, "cancel after cutoff 2", Status.COMPLETED)
     late.expected_cancel = CancellationOutcome.TOO_LATE
     exports += [building, late]
-    # A platform team's way: a plain Temporal client call; the workflow creates the row and returns its state.
-    handle = await client.start(tenant_id=DEMO_TENANT, destination_id=enabled, created_by="platform-team@demo")
-    direct = DemoExport(label="started with the Temporal client", expected=Status.COMPLETED,
-                        job_id=uuid.UUID(handle.id.removeprefix("export-")))
-    exports.append(direct)
+    exports.append(await _create(client, enabled, "created with `exports create`", Status.COMPLETED))
 
     async def cancel_when(export: DemoExport, statuses: set[Status]) -> None:
         row = await _wait_for(client, export.job_id, lambda r: r.status in statuses)
@@ -218,8 +223,8 @@ async def _run_demo(
             ), timeout=TIMEOUT)
             for export in exports:
                 await _wait_for(client, export.job_id, lambda r: r.status.is_settled)
-            result = await asyncio.wait_for(handle.result(), timeout=TIMEOUT)
-            direct.notes.append(f"workflow result: {result.status.value}")
+                handle = client.temporal.get_workflow_handle(f"export-{export.job_id}", result_type=ExportResult)
+                export.result = await asyncio.wait_for(handle.result(), timeout=TIMEOUT)
         finally:
             refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -240,14 +245,15 @@ async def _wait_for(client: ExportsClient, job_id: uuid.UUID, predicate) -> JobR
 
 
 def _table(exports: list[DemoExport]) -> Table:
-    table = Table("export", "job", "status", "attempts", "cancellation", "expected")
+    table = Table("export", "job", "status", "attempts", "cancellation", "workflow result", "expected")
     for e in exports:
         row = e.row
         status = row.status.value if row else "?"
         if row and row.failure_reason:
             status += f" ({row.failure_reason.value})"
         table.add_row(e.label, str(e.job_id)[:8], status, str(row.attempt_count if row else ""),
-                      e.cancel_outcome.value if e.cancel_outcome else "", e.expected.value)
+                      e.cancel_outcome.value if e.cancel_outcome else "",
+                      e.result.status.value if e.result else "", e.expected.value)
     return table
 
 
@@ -258,6 +264,9 @@ async def _verify(exports: list[DemoExport], partner_root: Path, postgres: Local
         row = e.row
         if row is None or row.status is not e.expected:
             e.notes.append(f"expected {e.expected.value}, found {row.status.value if row else 'no row'}")
+            ok = False
+        if e.result is None or e.result.status is not e.expected:
+            e.notes.append(f"its workflow returned {e.result.status.value if e.result else 'nothing'}")
             ok = False
         if e.expected_cancel is not None and e.cancel_outcome is not e.expected_cancel:
             e.notes.append(f"cancellation expected {e.expected_cancel.value}, got {e.cancel_outcome}")
@@ -285,6 +294,7 @@ async def _verify(exports: list[DemoExport], partner_root: Path, postgres: Local
 
 
 def _print_summary(exports: list[DemoExport], ui_url: str, ok: bool) -> None:
+    console.print()
     for e in exports:
         for note in e.notes:
             console.print(f"  {e.label}: {note}")
