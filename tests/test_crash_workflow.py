@@ -50,7 +50,7 @@ async def crash_world(db, store, client, tmp_path, **overrides: object) -> Async
     """A tenant and a partner, no in-process export worker: the test starts (and kills) worker processes."""
     async with AsyncExitStack() as stack:
         yield await open_harness(stack, db, store, client, tmp_path, in_process_worker=False,
-                                 lease_seconds=LEASE, renew_every_seconds=0.5, **overrides)
+                                 **{"lease_seconds": LEASE, "renew_every_seconds": 0.5, **overrides})
 
 
 @pytest.fixture
@@ -472,16 +472,20 @@ async def test_claim_lost_after_commit_and_reread_refused__wakeup_finds_running_
 
 
 @pytest.mark.spec("AR3", "TW6")
-async def test_stop_while_the_builds_worker_is_dead__ends_stopped_and_the_workflow_returns_it(crash_harness):
+async def test_stop_while_the_builds_worker_is_dead__ends_stopped_and_the_workflow_returns_it(
+        db, store, client, tmp_path):
     """Found by the chaos run: a stop recorded while the build's worker is dead must not fail the workflow. The
-    build cannot record it, so the workflow records the stop without a build; the row and the result agree."""
-    h = crash_harness
-    async with processes(h) as started:
+    build cannot record it, so the workflow records the stop without a build; the row and the result agree.
+    A 6 s lease (the dead build's heartbeat timeout) makes sure the stop is seen before the build could resume."""
+    async with crash_world(db, store, client, tmp_path, lease_seconds=6.0) as h, processes(h) as started:
         a = await start(started, h, hold_at="build_started")
         job_id = await h.create()
         await held_at(h.settings, "build_started", job_id)
         await start(started, h)  # worker B, which would resume the build
         a.kill()
+        # Until A is gone, its open long-poll can still be handed the signal's workflow task, which then waits out
+        # the workflow task timeout past the build's heartbeat timeout: a different (also correct) interleaving.
+        await asyncio.wait_for(a.process.wait(), timeout=15)
         await forget_dead_worker(h, job_id)
         stop = await h.exports.cancel(tenant_id=h.tenant_id, job_id=job_id, requested_by="op", reason="stop")
         assert stop.outcome.value == "StopRequested"
