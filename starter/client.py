@@ -386,7 +386,8 @@ class ExportsClient:
             )
             if len(found) == limit:
                 break
-        return [(listed, await self.store.read_job(listed.job_id)) for listed in found.values()]
+        rows = await self.store.read_jobs(list(found))
+        return [(listed, rows.get(job_id)) for job_id, listed in found.items()]
 
     def _temporal(self) -> Client:
         if self.temporal is None:

@@ -25,6 +25,7 @@ from rich.live import Live
 from rich.table import Table
 
 from starter.client import ExportsClient
+from starter.localstack import processes
 from starter.localstack.partner import LocalPartner
 from starter.localstack.postgres import LocalPostgres
 from starter.localstack.seed import seed_contacts, seed_destination
@@ -34,7 +35,7 @@ from starter.temporal import connect_temporal
 from store.db import asyncpg_dsn, migrate
 from activities.contracts import ExportResult
 from store.models import CancellationOutcome, JobRow, Status
-from store.settings import LOCAL_ENV_FILE, Settings
+from store.settings import LOCAL_ENV_FILE, Settings, as_env
 
 log = logging.getLogger(__name__)
 console = Console()
@@ -105,7 +106,7 @@ async def run_dev() -> int:
     finally:
         console.print("stopping ...")
         if worker is not None:
-            await _stop_process(worker)
+            await processes.stop(worker, timeout=15)
         await partner.stop()
         await temporal.stop()
         postgres.stop()
@@ -148,28 +149,9 @@ def _write_local_env(settings: Settings) -> None:
 
 
 async def _start_worker(settings: Settings) -> asyncio.subprocess.Process:
-    env = dict(os.environ)
-    for name, value in settings.model_dump().items():
-        env[f"EXPORTS_{name.upper()}"] = str(value)
-    log_file = open(STATE / "worker.log", "ab")
-    try:
-        return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "worker", env=env, stdout=log_file, stderr=log_file,
-            stdin=asyncio.subprocess.DEVNULL,
-        )
-    finally:
-        log_file.close()
+    return await processes.spawn(sys.executable, "-m", "worker", log_path=STATE / "worker.log",
+                                 env={**os.environ, **as_env(settings)})
 
-
-async def _stop_process(process: asyncio.subprocess.Process) -> None:
-    if process.returncode is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        await asyncio.wait_for(process.wait(), timeout=15)
-    except asyncio.TimeoutError:
-        process.kill()
-        await process.wait()
 
 
 async def _create(client: ExportsClient, destination: uuid.UUID, label: str, expected: Status) -> DemoExport:

@@ -54,6 +54,14 @@ class JobStore:
             row = (await conn.execute(query)).mappings().first()
         return JobRow.model_validate(dict(row)) if row is not None else None
 
+    async def read_jobs(self, job_ids: list[UUID]) -> dict[UUID, JobRow]:
+        """Several rows in one query, by ID; missing ones are absent from the result."""
+        if not job_ids:
+            return {}
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(select(export_jobs).where(export_jobs.c.id.in_(job_ids)))).mappings().all()
+        return {row["id"]: JobRow.model_validate(dict(row)) for row in rows}
+
     async def read_destination(self, tenant_id: UUID, destination_id: UUID) -> dict[str, Any] | None:
         query = select(destinations).where(
             destinations.c.tenant_id == tenant_id, destinations.c.id == destination_id

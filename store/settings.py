@@ -57,6 +57,11 @@ class Settings(BaseSettings):
         return self
 
 
+def as_env(settings: Settings) -> dict[str, str]:
+    """The EXPORTS_* variables that make another process read these same settings."""
+    return {f"EXPORTS_{name.upper()}": str(value) for name, value in settings.model_dump().items()}
+
+
 @lru_cache
 def get_settings() -> Settings:
     return Settings()

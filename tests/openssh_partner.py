@@ -11,13 +11,13 @@ import asyncio
 import getpass
 import os
 import shutil
-import signal
 from pathlib import Path
 
 import asyncssh
 import pytest
 
 from activities.partner import DestinationConfig
+from starter.localstack import processes
 from starter.localstack.ports import free_port, wait_for_port
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
@@ -62,10 +62,8 @@ class OpenSshPartner:
             "Subsystem sftp internal-sftp", f"ForceCommand internal-sftp -d {self.root}", "LogLevel ERROR", "",
         ]))
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege separation directory
-        log = open(self.folder / "sshd.log", "ab")
-        self.process = await asyncio.create_subprocess_exec(
-            SSHD, "-D", "-e", "-f", str(config), stdout=log, stderr=log, stdin=asyncio.subprocess.DEVNULL)
-        log.close()
+        self.process = await processes.spawn(SSHD, "-D", "-e", "-f", str(config),
+                                             log_path=self.folder / "sshd.log")
         await wait_for_port(self.port, timeout=10)
         return self
 
@@ -76,11 +74,4 @@ class OpenSshPartner:
             credential_ref=f"file:{self.client_key_path}")
 
     async def stop(self) -> None:
-        if self.process is None or self.process.returncode is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(self.process.wait(), timeout=10)
-        except asyncio.TimeoutError:
-            self.process.kill()
-            await self.process.wait()
+        await processes.stop(self.process)

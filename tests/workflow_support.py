@@ -16,10 +16,11 @@ from temporalio.client import Client
 from activities.contracts import ExportResult, RecoveryInput, RecoveryReport
 from activities.exports import ExportActivities
 from starter.client import ExportsClient
+from starter.localstack import processes
 from starter.localstack.partner import LocalPartner
 from store.jobs import JobStore
 from store.models import JobRow
-from store.settings import Settings
+from store.settings import Settings, as_env
 from tests.support import eventually, seed_tenant
 from worker import running_worker
 
@@ -86,15 +87,10 @@ class WorkerProcess:
 
     async def start(self) -> WorkerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("EXPORTS_")}
-        for name, value in self.settings.model_dump().items():
-            env[f"EXPORTS_{name.upper()}"] = str(value)
-        log_path = Path(self.settings.work_dir) / f"worker-{uuid.uuid4().hex[:6]}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as log_file:
-            self.process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "worker", env=env, stdout=log_file, stderr=log_file,
-                stdin=asyncio.subprocess.DEVNULL, cwd=str(Path(__file__).resolve().parents[1]))
-        self.log_path = log_path
+        self.log_path = Path(self.settings.work_dir) / f"worker-{uuid.uuid4().hex[:6]}.log"
+        self.process = await processes.spawn(
+            sys.executable, "-m", "worker", log_path=self.log_path, env={**env, **as_env(self.settings)},
+            cwd=str(Path(__file__).resolve().parents[1]))
         return self
 
     def kill(self) -> None:
@@ -103,14 +99,7 @@ class WorkerProcess:
             self.process.send_signal(signal.SIGKILL)
 
     async def stop(self) -> None:
-        if self.process is None or self.process.returncode is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(self.process.wait(), timeout=15)
-        except asyncio.TimeoutError:
-            self.process.kill()
-            await self.process.wait()
+        await processes.stop(self.process, timeout=15)
 
 
 async def held_at(settings: Settings, checkpoint: str, job_id: uuid.UUID, timeout: float = 30.0) -> None:

@@ -8,6 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from starter.localstack import processes
 from starter.localstack.ports import free_port, port_is_free, wait_for_port
 
 log = logging.getLogger(__name__)
@@ -48,20 +49,9 @@ class LocalTemporal:
         ]
         for name, kind in SEARCH_ATTRIBUTES.items():
             args += ["--search-attribute", f"{name}={kind}"]
-        log_file = open(self.state_dir / "temporal.log", "ab")
-        self.process = await asyncio.create_subprocess_exec(
-            temporal_binary(), *args, stdout=log_file, stderr=log_file, stdin=asyncio.subprocess.DEVNULL
-        )
-        log_file.close()
+        self.process = await processes.spawn(temporal_binary(), *args, log_path=self.state_dir / "temporal.log")
         await wait_for_port(self.port, timeout=60)
         log.info("Temporal dev server pid %s on %s, UI %s", self.process.pid, self.address, self.ui_url)
 
     async def stop(self) -> None:
-        if self.process is None or self.process.returncode is not None:
-            return
-        self.process.terminate()
-        try:
-            await asyncio.wait_for(self.process.wait(), timeout=10)
-        except asyncio.TimeoutError:
-            self.process.kill()
-            await self.process.wait()
+        await processes.stop(self.process)
