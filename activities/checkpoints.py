@@ -15,6 +15,7 @@ log = logging.getLogger(__name__)
 
 CLAIM = "claim"                      # before the claim statement
 BUILD_STARTED = "build_started"      # the build activity has renewed its lease and is about to build
+BUILD_CANCELLED = "build_cancelled"  # the build was cancelled; the lease still kept, the stop not yet written
 BEFORE_CUTOFF_2 = "before_cutoff_2"  # the file is built; cutoff 2 not yet attempted
 BEFORE_UPLOAD = "before_upload"      # cutoff 2 committed; nothing sent yet
 AFTER_RECEIPT = "after_receipt"      # the partner confirmed the file; the terminal write not yet made

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from uuid import UUID
 
 from temporalio import activity
@@ -38,6 +39,21 @@ from store.models import AuthorizationResult, BuiltFile, FailureCode, JobRow, St
 from store.settings import Settings
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+async def run_to_end(work: Coroutine[Any, Any, T], on_cancel: Callable[[], None] = lambda: None) -> T:
+    """Await `work` to its end however often the caller is cancelled meanwhile: for steps whose effect must be
+    recorded once begun (an upload and its evidence, a stop's terminal write)."""
+    task = asyncio.ensure_future(work)
+    while True:
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            on_cancel()
 
 
 def destination_config(row: dict[str, Any]) -> partner.DestinationConfig:
@@ -195,14 +211,12 @@ class ExportActivities:
                         throttle_bytes_per_second=self.settings.build_throttle_bytes_per_second,
                     )
             except asyncio.CancelledError:
-                await lease.finish()
-                if lost.is_set():
-                    return BuildOutput(ended="LostOwnership")
-                # A stop request, a terminated workflow or a shutdown: only a recorded stop request is a Stop,
-                # and only this attempt's; anything else leaves the row for recovery.
-                if await self.store.finish_stopped(job.id, attempt_id, "WhileBuilding"):
-                    return BuildOutput(ended="Stopped")
-                raise
+                # The stop watcher and the workflow's cancel of this activity may both fire: the second cancel
+                # must not cut off the stop's write halfway, so the write runs to its end.
+                ended = await run_to_end(self._after_build_cancelled(lease, lost, job.id, attempt_id))
+                if ended is None:
+                    raise
+                return ended
             except BuildError as exc:
                 async with lease.terminal_write():
                     await self.store.finish_failed(job.id, attempt_id, FailureCode.BUILD_FAILED, str(exc))
@@ -218,6 +232,19 @@ class ExportActivities:
             file=BuiltFile(path=str(path), final_name=job.final_name, size=size, sha256_hex=sha256_hex),
             worker_task_queue=self.worker_task_queue,
         )
+
+    async def _after_build_cancelled(
+        self, lease: LeaseKeeper, lost: asyncio.Event, job_id: UUID, attempt_id: UUID
+    ) -> BuildOutput | None:
+        await self.checkpoints.reached(checkpoints.BUILD_CANCELLED, job_id)
+        await lease.finish()
+        if lost.is_set():
+            return BuildOutput(ended="LostOwnership")
+        # A stop request, a terminated workflow or a shutdown: only a recorded stop request is a Stop, and only
+        # this attempt's; anything else (None) leaves the row for recovery.
+        if await self.store.finish_stopped(job_id, attempt_id, "WhileBuilding"):
+            return BuildOutput(ended="Stopped")
+        return None
 
     async def _final_name_occupied(self, job: JobRow) -> bool:
         """The preparation's look at the final name. Unreachable is not occupied: the delivery looks again and
@@ -276,15 +303,11 @@ class ExportActivities:
         """Past the point of no return: stop requests are recorded, not obeyed, a lost lease does not stop the
         upload, and neither does the activity's cancellation (a terminated workflow, a shutdown): the upload
         runs shielded to its end, so that its evidence and terminal write are made."""
-        delivery = asyncio.ensure_future(self._deliver(request))
-        while True:
-            try:
-                return await asyncio.shield(delivery)
-            except asyncio.CancelledError:
-                if delivery.done():
-                    raise
-                log.warning("export %s: cancellation during delivery is ignored; the upload finishes",
-                            request.job.id)
+        return await run_to_end(
+            self._deliver(request),
+            on_cancel=lambda: log.warning("export %s: cancellation during delivery is ignored; the upload finishes",
+                                          request.job.id),
+        )
 
     async def _deliver(self, request: DeliverInput) -> DeliverOutput:
         job, attempt_id, file = request.job, request.attempt_id, request.file

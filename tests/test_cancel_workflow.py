@@ -12,9 +12,11 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 import pytest
+from temporalio import activity
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowExecutionStatus
 
+from activities.checkpoints import BUILD_CANCELLED, Checkpoints
 from activities.contracts import ExportResult
 from starter.dispatcher import OutboxDispatcher
 from starter.localstack.temporal import temporal_binary
@@ -121,6 +123,43 @@ async def test_cancel__client_cancel_stops_a_building_export_within_one_second(s
     assert events == ["Claimed", "Stopped"]
     assert [(r["requested_by"], r["outcome"], r["found_status"]) for r in await requests_for(h.db, job_id)] == [
         ("ann@example.com", "StopRequested", "Running")]
+
+
+class HoldUntilTemporalCancels(Checkpoints):
+    """Holds a build that its stop watcher cancelled, lease still kept and heartbeating, until Temporal has also
+    delivered the workflow's cancel of the activity: two cancels reaching one build before its stop is written."""
+
+    def __init__(self) -> None:
+        self.temporal_cancelled = False
+
+    async def reached(self, name: str, job_id: uuid.UUID) -> None:
+        if name != BUILD_CANCELLED:
+            return
+        assert not activity.is_cancelled(), "the stop watcher's cancel was to come first"
+        try:
+            async with asyncio.timeout(20):  # not wait_for: on 3.11 it can swallow the very cancel awaited here
+                await activity.wait_for_cancelled()
+                await asyncio.sleep(0.2)  # a step of the stop's cleanup, where the second cancel lands
+        finally:
+            self.temporal_cancelled = activity.is_cancelled()
+
+
+@pytest.mark.spec("TW6")
+async def test_cancel__second_cancel_during_the_stop_write_does_not_cut_it_off(slow_build_harness: Harness):
+    h = slow_build_harness
+    hold = HoldUntilTemporalCancels()
+    h.activities.checkpoints = hold
+    job_id = await h.create()
+    await building(h, job_id)
+    result = await h.exports.cancel(tenant_id=h.tenant_id, job_id=job_id, requested_by="ann@example.com",
+                                    reason="twice heard")
+    assert result.outcome is CancellationOutcome.STOP_REQUESTED
+    row = await h.settled(job_id)
+    assert hold.temporal_cancelled, "the workflow's cancel of the build never reached it"
+    assert_stopped_clean(h, row)
+    assert (await kinds(h.db, job_id)) == ["Claimed", "Stopped"]
+    # The build recorded its own stop: the workflow needed no stop_attempt of its own.
+    assert "stop_attempt" not in await activity_names(h, job_id)
 
 
 @pytest.mark.spec("TW6")

@@ -256,6 +256,10 @@ class ExportWorkflow:
                 # arrived before the build could start, so no activity will record it.
                 return await self._stop_without_build(attempt)
             except ActivityError as err:
+                if self._stop_seen:
+                    # The build ended without a result, perhaps cut off before it could record the stop: record
+                    # it here (the write is conditional on this attempt, so it is a no-op if the build did).
+                    return await self._stop_without_build(attempt)
                 if not isinstance(err.cause, TimeoutError):
                     return None  # the build ended in a way the row records (or recovery will)
                 workflow.logger.warning("build of %s lost its worker; resuming elsewhere", attempt.job.id)
