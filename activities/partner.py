@@ -21,6 +21,8 @@ from typing import Any, Literal
 import asyncssh
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from activities.sftp_check_file import check_file_sha256
+
 logger = logging.getLogger(__name__)
 
 # Bounds for the work done after a failure: a fresh listing, then removing the temporary file.
@@ -48,8 +50,9 @@ class PartnerContract(BaseModel):
 
     # Name and size alone identify a file there. Different exports can share a size, so only by agreement.
     name_and_size_identify: bool = False
-    # "read_back": the final file may be read back and hashed. "none": no evidence by content.
-    hash_evidence: Literal["none", "read_back"] = "none"
+    # Evidence by content: "read_back" (the final file may be read back and hashed), "check_file" (the partner
+    # answers the SFTP check-file-name extension with its SHA-256), or "none".
+    hash_evidence: Literal["none", "read_back", "check_file"] = "none"
     # Where the partner writes <final name>.ack holding the SHA-256 (hex) of the file it processed.
     acknowledgment_dir: str | None = None
 
@@ -207,14 +210,20 @@ async def list_final(dest: DestinationConfig, final_name: str, *, timeout: float
             return await _listing(sftp, posixpath.join(dest.final_dir, final_name))
 
 
-async def _sha256_of(sftp: asyncssh.SFTPClient, path: str, operation_timeout: float) -> str:
-    """Read the partner's file back and hash it: evidence by content, where the contract allows it."""
-    digest = hashlib.sha256()
-    async with asyncio.timeout(operation_timeout):
-        async with sftp.open(path, "rb") as remote:
-            while chunk := await remote.read(256 * 1024):
-                digest.update(chunk)
-    return digest.hexdigest()
+async def _content_sha256(sftp: asyncssh.SFTPClient, dest: DestinationConfig, path: str,
+                          operation_timeout: float) -> str | None:
+    """The SHA-256 (hex) of the partner's file, by the means its contract offers; None where it offers none."""
+    if dest.contract.hash_evidence == "check_file":
+        async with asyncio.timeout(operation_timeout):
+            return await check_file_sha256(sftp, path)
+    if dest.contract.hash_evidence == "read_back":
+        digest = hashlib.sha256()
+        async with asyncio.timeout(operation_timeout):
+            async with sftp.open(path, "rb") as remote:
+                while chunk := await remote.read(256 * 1024):
+                    digest.update(chunk)
+        return digest.hexdigest()
+    return None
 
 
 async def _acknowledged_sha256(sftp: asyncssh.SFTPClient, dest: DestinationConfig, final_name: str,
@@ -236,9 +245,9 @@ async def _identify(sftp: asyncssh.SFTPClient, dest: DestinationConfig, final_pa
                     found: RemoteFile, original: Replacement, operation_timeout: float) -> tuple[bool, str]:
     """Whether a file under a replacement's final name is the original's delivery, and on what evidence:
     a matching checksum, an acknowledgment tied to the original, or name and size where the contract says so."""
-    if original.original_sha256 and dest.contract.hash_evidence == "read_back":
-        actual = await _sha256_of(sftp, final_path, operation_timeout)
-        if actual == original.original_sha256:
+    if original.original_sha256:
+        actual = await _content_sha256(sftp, dest, final_path, operation_timeout)
+        if actual is not None and actual == original.original_sha256:
             return True, "checksum matches the original's expected file"
     if original.original_sha256:
         acknowledged = await _acknowledged_sha256(sftp, dest, final_name, operation_timeout)
@@ -430,6 +439,8 @@ async def deliver(
     step: Step = "connect"
     receipt: RemoteFile | None = None
     occupied: DeliveryResult | None = None
+    content: str | None = None
+    content_error: str | None = None
     total = 0
     try:
         total = os.path.getsize(local_path)
@@ -481,12 +492,15 @@ async def deliver(
             step = "confirm"
             async with asyncio.timeout(operation_timeout):
                 receipt = await _listing(sftp, final_path)
-            content = None
             if receipt.exists and receipt.size == total:
-                if dest.contract.hash_evidence == "read_back":
-                    content = await _sha256_of(sftp, final_path, operation_timeout)
-                elif overwrite:
-                    content = await _acknowledged_sha256(sftp, dest, final_name, operation_timeout)
+                try:
+                    content = await _content_sha256(sftp, dest, final_path, operation_timeout)
+                    if content is None and overwrite:
+                        content = await _acknowledged_sha256(sftp, dest, final_name, operation_timeout)
+                except _CAUGHT as exc:
+                    # The receipt stands; only the evidence by content is missing, and the outcome says so.
+                    content_error = _describe(exc)
+                    logger.warning("could not hash %s on %s: %s", final_path, dest.host, content_error)
     except _CAUGHT as exc:
         if occupied is not None:
             return occupied  # The decision was made before the failure (recording it or closing).
@@ -498,7 +512,7 @@ async def deliver(
 
     await _record_quietly(record_evidence, {"step": "receipt", "final": receipt.model_dump(),
                                             "expected_bytes": total, "sha256": content,
-                                            "expected_sha256": expected_sha256})
+                                            "sha256_error": content_error, "expected_sha256": expected_sha256})
     if receipt.exists and receipt.size == total:
         if content is not None and content == expected_sha256:
             logger.info("delivered %s to %s, %d bytes, sha256 confirmed", final_path, dest.host, total)
@@ -514,9 +528,10 @@ async def deliver(
                                   summary=f"outcome unknown: {final_name} was overwritten with {total} bytes, "
                                           "and no hash or acknowledgment confirms this upload")
         logger.info("delivered %s to %s, %d bytes", final_path, dest.host, total)
+        unhashed = f" (the partner's hash was unavailable: {content_error})" if content_error else ""
         return DeliveryResult(
             outcome="Completed",
-            summary=f"uploaded {final_name}, {total} bytes, confirmed by size",
+            summary=f"uploaded {final_name}, {total} bytes, confirmed by size{unhashed}",
             receipt=receipt,
         )
     logger.warning("rename of %s acknowledged but the listing shows %s", final_path, receipt.model_dump())

@@ -132,7 +132,8 @@ async def _seed(postgres: LocalPostgres, partner: LocalPartner) -> dict[str, uui
         fields = dict(host=dest.host, port=dest.port, username=dest.username, final_dir=dest.final_dir,
                       temp_dir=dest.temp_dir, host_key=dest.host_key, credential_ref=dest.credential_ref)
         return {
-            "enabled": await seed_destination(conn, DEMO_TENANT, name="demo partner",
+            # The local partner offers check-file-name, so the demo's deliveries are confirmed by its SHA-256.
+            "enabled": await seed_destination(conn, DEMO_TENANT, name="demo partner", hash_evidence="check_file",
                                               destination_id=DEMO_DESTINATION, **fields),
             "disabled": await seed_destination(conn, DEMO_TENANT, name="paused partner", enabled=False,
                                                destination_id=PAUSED_DESTINATION, **fields),
@@ -265,6 +266,9 @@ async def _verify(exports: list[DemoExport], partner_root: Path, postgres: Local
                 if (len(data), hashlib.sha256(data).digest()) != (row.expected_file_bytes, row.expected_file_sha256):
                     e.notes.append("the partner's file does not match the job's expected file")
                     ok = False
+                if not await _confirmed_by_partner_hash(postgres, row.id):
+                    e.notes.append("the delivery was not confirmed by the partner's check-file SHA-256")
+                    ok = False
         elif final.exists():
             e.notes.append("a file reached the partner for an export that did not complete")
             ok = False
@@ -273,6 +277,16 @@ async def _verify(exports: list[DemoExport], partner_root: Path, postgres: Local
         ok = False
         exports[0].notes.append(f"temporary files left at the partner: {[p.name for p in leftovers]}")
     return ok
+
+
+async def _confirmed_by_partner_hash(postgres: LocalPostgres, job_id: uuid.UUID) -> bool:
+    conn = await asyncpg.connect(asyncpg_dsn(postgres.url("owner", DATABASE)))
+    try:
+        return bool(await conn.fetchval(
+            "SELECT 1 FROM export_attempt_events WHERE job_id = $1 AND kind = 'Finished' "
+            "AND detail LIKE '%confirmed by sha256%'", job_id))
+    finally:
+        await conn.close()
 
 
 def _print_summary(exports: list[DemoExport], ui_url: str, ok: bool) -> None:

@@ -113,12 +113,12 @@ async def test_interrupted_just_after_rename__outcome_unknown_until_reconciled(h
 
 
 @pytest.mark.spec("RD1")
-@pytest.mark.parametrize("evidence", ["checksum", "acknowledgment"])
+@pytest.mark.parametrize("evidence", ["read_back", "check_file", "acknowledgment"])
 async def test_replacement__original_identified_uploads_nothing_original_delivered(harness: Harness, evidence):
     h = harness
     original, content = await unknown_original(h)
-    if evidence == "checksum":
-        await set_contract(h, hash_evidence="read_back")
+    if evidence in ("read_back", "check_file"):
+        await set_contract(h, hash_evidence=evidence)  # a checksum read back, or computed by the partner
     else:
         await set_contract(h, acknowledgment_dir="/acks")
         (h.partner.root / "acks").mkdir()
@@ -129,6 +129,22 @@ async def test_replacement__original_identified_uploads_nothing_original_deliver
     assert (row.status, row.failure_reason) == (Status.FAILED, FailureCode.ORIGINAL_DELIVERED)
     assert (outbound(h) / row.final_name).read_bytes() == content and leftovers(h) == []
     assert (await h.store.read_job(original)).status is Status.OUTCOME_UNKNOWN  # a named person corrects it
+
+
+@pytest.mark.spec("RD1")
+async def test_replacement__hash_extension_withdrawn_touches_nothing(harness: Harness):
+    """The contract promises check-file but the partner no longer answers it: the original's file cannot be
+    identified by checksum, so the replacement ends before any upload, and the file stays as it is."""
+    h = harness
+    original, content = await unknown_original(h)
+    await set_contract(h, hash_evidence="check_file")
+    h.partner.offers_check_file = False
+    row = await h.settled(await replacement_of(h, original, agreement="partner ticket 4711"))
+    assert (row.status, row.failure_reason) == (Status.FAILED, FailureCode.NOT_DELIVERED)
+    assert (outbound(h) / row.final_name).read_bytes() == content and leftovers(h) == []
+    details = await h.db.admin.fetch(
+        "SELECT detail FROM export_attempt_events WHERE job_id = $1 AND kind = 'DeliveryEvidence'", row.id)
+    assert any("SFTPOpUnsupported" in d["detail"] for d in details), details
 
 
 @pytest.mark.spec("RD2")
@@ -170,6 +186,7 @@ async def test_replacement__unidentified_file_uploads_nothing_without_agreement(
 
 @pytest.mark.spec("RD3", "RD4")
 @pytest.mark.parametrize("hash_evidence,expected", [("read_back", Status.COMPLETED),
+                                                     ("check_file", Status.COMPLETED),
                                                      ("none", Status.OUTCOME_UNKNOWN)])
 async def test_replacement__with_agreement_overwrites_completed_only_on_a_matching_hash(
         harness: Harness, hash_evidence, expected):

@@ -9,6 +9,7 @@ import asyncssh
 import pytest
 
 from activities import partner
+from activities.sftp_check_file import check_file_sha256
 from starter.localstack.seed import seed_destination
 from store.models import FailureCode, Status
 from tests.openssh_partner import OpenSshPartner, require_sshd
@@ -86,6 +87,20 @@ async def test_openssh__replacement_identifies_the_originals_file_by_checksum(ha
     replaced = await h.settled(replacement)
     assert (replaced.status, replaced.failure_reason) == (Status.FAILED, FailureCode.ORIGINAL_DELIVERED)
     assert (openssh.root / "outbound" / row.final_name).read_bytes() == b"contacts"
+
+
+async def test_openssh__offers_no_check_file_so_a_delivery_is_confirmed_by_size(harness: Harness,
+                                                                               openssh: OpenSshPartner):
+    """OpenSSH's sftp-server answers check-file-name with OP_UNSUPPORTED. A destination whose contract claims
+    the extension still delivers an original, confirmed by size, and its receipt says the hash was missing."""
+    async with partner.connect(openssh.destination()) as sftp:
+        with pytest.raises(asyncssh.SFTPOpUnsupported):
+            await check_file_sha256(sftp, f"{openssh.destination().final_dir}/anything.csv")
+    row = await run_export(harness, await openssh_destination(harness, openssh, hash_evidence="check_file"))
+    assert row.status is Status.COMPLETED
+    receipts = await harness.db.admin.fetch(
+        "SELECT detail FROM export_attempt_events WHERE job_id = $1 AND kind = 'DeliveryEvidence'", row.id)
+    assert any("SFTPOpUnsupported" in r["detail"] and '"receipt"' in r["detail"] for r in receipts), receipts
 
 
 async def test_openssh__pinned_host_key_mismatch_refuses_to_connect(openssh: OpenSshPartner):

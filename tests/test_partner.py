@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from pathlib import Path
 
 import asyncssh
 import pytest
 
-from activities.partner import HostKeyMismatch, RemoteFile, classify, connect, deliver, load_client_key
+from activities.partner import (
+    HostKeyMismatch,
+    PartnerContract,
+    RemoteFile,
+    classify,
+    connect,
+    deliver,
+    load_client_key,
+)
+from activities.sftp_check_file import check_file_sha256
 from starter.localstack.partner import LocalPartner
 from tests.partner_support import Evidence, bounded, make_file, write_as_other_party
 
@@ -144,6 +154,66 @@ async def test_connection_closed_after_rename_is_outcome_unknown(
     assert listdir(partner.temp_dir) == []
     assert evidence.steps == ["baseline", "rename", "fresh_listing"]
     assert evidence.first("fresh_listing")["final"]["exists"] is True
+
+
+def with_contract(partner: LocalPartner, **contract: object):
+    return partner.destination(contract=PartnerContract(**contract))
+
+
+async def test_check_file__the_partner_hashes_its_own_file(partner: LocalPartner) -> None:
+    data = b"email,first_name\n" * 5000
+    (partner.final_dir / "x.csv").write_bytes(data)
+    async with connect(partner.destination()) as sftp:
+        assert await bounded(check_file_sha256(sftp, "/outbound/x.csv")) == hashlib.sha256(data).hexdigest()
+        with pytest.raises(asyncssh.SFTPNoSuchFile):
+            await bounded(check_file_sha256(sftp, "/outbound/absent.csv"))
+    partner.offers_check_file = False
+    async with connect(partner.destination()) as sftp:
+        with pytest.raises(asyncssh.SFTPOpUnsupported):
+            await bounded(check_file_sha256(sftp, "/outbound/x.csv"))
+
+
+async def test_check_file__delivery_confirmed_by_the_partners_hash(
+    partner: LocalPartner, local: tuple[Path, bytes]
+) -> None:
+    path, data = local
+    evidence = Evidence()
+    result = await bounded(deliver(with_contract(partner, hash_evidence="check_file"), str(path),
+                                   "contacts-k.csv", "k.part", record_evidence=evidence,
+                                   expected_sha256=hashlib.sha256(data).hexdigest()))
+    assert result.outcome == "Completed" and "confirmed by sha256" in result.summary, result.summary
+    assert evidence.first("receipt")["sha256"] == hashlib.sha256(data).hexdigest()
+
+
+async def test_check_file__a_file_changed_at_the_partner_is_not_confirmed(
+    partner: LocalPartner, local: tuple[Path, bytes]
+) -> None:
+    path, data = local
+    altered = bytes([data[0] ^ 1]) + data[1:]
+
+    async def partner_rewrites(old: str, new: str) -> None:
+        (partner.root / new.lstrip("/")).write_bytes(altered)  # same size, other bytes
+
+    partner.hooks.after_rename = partner_rewrites
+    result = await bounded(deliver(with_contract(partner, hash_evidence="check_file"), str(path),
+                                   "contacts-k.csv", "k.part", record_evidence=Evidence(),
+                                   expected_sha256=hashlib.sha256(data).hexdigest()))
+    assert result.outcome == "OutcomeUnknown" and "sha256" in result.summary, result.summary
+
+
+async def test_check_file__not_offered_after_all_falls_back_to_size_and_says_so(
+    partner: LocalPartner, local: tuple[Path, bytes]
+) -> None:
+    path, data = local
+    partner.offers_check_file = False
+    evidence = Evidence()
+    result = await bounded(deliver(with_contract(partner, hash_evidence="check_file"), str(path),
+                                   "contacts-k.csv", "k.part", record_evidence=evidence,
+                                   expected_sha256=hashlib.sha256(data).hexdigest()))
+    assert result.outcome == "Completed" and "confirmed by size" in result.summary, result.summary
+    assert "hash was unavailable" in result.summary
+    receipt = evidence.first("receipt")
+    assert receipt["sha256"] is None and "SFTPOpUnsupported" in receipt["sha256_error"]
 
 
 async def test_cancelled_upload_is_classified_not_raised(

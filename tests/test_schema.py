@@ -23,4 +23,19 @@ async def test_migrations_are_at_head_and_applying_them_again_changes_nothing(db
 
     before = await db.admin.fetchval("SELECT version_num FROM alembic_version")
     await migrate(db.url("owner"))
-    assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == before == "0002"
+    assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == before == "0003"
+
+
+async def test_a_destination_contract_names_only_known_hash_evidence(db):
+    import asyncpg
+    import pytest
+
+    from tests.support import seed_tenant
+
+    _, destination_id = await seed_tenant(db.admin)
+    for known in ("none", "read_back", "check_file"):
+        await db.admin.execute("UPDATE destinations SET hash_evidence = $1 WHERE id = $2", known, destination_id)
+    with pytest.raises(asyncpg.CheckViolationError, match="ck_destinations_hash_evidence"):
+        await db.admin.execute("UPDATE destinations SET hash_evidence = 'md5' WHERE id = $1", destination_id)
+    assert await db.admin.fetchval("SELECT hash_evidence FROM destinations WHERE id = $1",
+                                   destination_id) == "check_file"

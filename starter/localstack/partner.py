@@ -3,10 +3,15 @@
 The partner processes files that appear in /outbound and ignores /incoming-tmp. Hooks are awaited inside the
 server's request handling, so a hook can block the request (an asyncio.Event the test controls), act as
 another party (a second client writing a file), or drop every connection (`close_connections`).
+
+It offers the SFTP hash extension `check-file-name` (SHA-256 of a whole file) unless started with
+`offers_check_file=False`, as a partner without it (OpenSSH, for one) answers: OP_UNSUPPORTED.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import logging
 import os
 import posixpath
@@ -16,8 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import asyncssh
+from asyncssh.constants import FXP_EXTENDED_REPLY
+from asyncssh.packet import SSHPacket
+from asyncssh.sftp import SFTPServerHandler
+from asyncssh.stream import SSHReader, SSHServerStreamSession, SSHWriter
 
 from activities.partner import DestinationConfig
+from activities.sftp_check_file import ALGORITHM, CHECK_FILE_NAME, CheckFileReply, CheckFileRequest
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +51,11 @@ def _client_path(path: bytes) -> str:
 
 
 class _PartnerSFTPServer(asyncssh.SFTPServer):
-    def __init__(self, chan: asyncssh.SSHServerChannel, *, root: Path, hooks: PartnerHooks) -> None:
+    def __init__(self, chan: asyncssh.SSHServerChannel, *, root: Path, hooks: PartnerHooks,
+                 offers_check_file: bool) -> None:
         super().__init__(chan, chroot=os.fsencode(root))
         self._hooks = hooks
+        self._offers_check_file = offers_check_file
         # Client-visible path of each open file, for the on_write hook.
         self._paths: dict[int, str] = {}
 
@@ -71,12 +83,66 @@ class _PartnerSFTPServer(asyncssh.SFTPServer):
             await self._hooks.after_rename(old, new)
 
 
-class _ConnectionTracker(asyncssh.SSHServer):
-    """Keeps the partner's set of open connections current, so faults can drop them."""
+    async def check_file(self, request: CheckFileRequest) -> CheckFileReply:
+        if not self._offers_check_file:
+            raise asyncssh.SFTPOpUnsupported("check-file-name is not offered")
+        if ALGORITHM not in request.algorithms or request.block_size != 0:
+            raise asyncssh.SFTPOpUnsupported(f"only one {ALGORITHM} of a range is offered")
+        path = self.map_path(request.path)
+        return CheckFileReply(ALGORITHM, await asyncio.to_thread(_sha256_range, path, request.start_offset,
+                                                                 request.length))
 
-    def __init__(self, connections: set[asyncssh.SSHServerConnection]) -> None:
+
+def _sha256_range(path: bytes, offset: int, length: int) -> bytes:
+    digest = hashlib.sha256()
+    remaining = length or None  # 0: to the end
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        while remaining is None or remaining > 0:
+            chunk = fh.read(256 * 1024 if remaining is None else min(remaining, 256 * 1024))
+            if not chunk:
+                break
+            digest.update(chunk)
+            if remaining is not None:
+                remaining -= len(chunk)
+    return digest.digest()
+
+
+async def _process_check_file_name(handler: SFTPServerHandler, packet: SSHPacket) -> CheckFileReply:
+    return await handler._server.check_file(CheckFileRequest.decode(packet))  # noqa: SLF001
+
+
+class _PartnerSFTPHandler(SFTPServerHandler):
+    """asyncssh's SFTP server protocol, with the partner's one extended request added (class tables of this
+    subclass; asyncssh's own are untouched)."""
+
+    _packet_handlers = {**SFTPServerHandler._packet_handlers, CHECK_FILE_NAME: _process_check_file_name}
+    _return_types = {**SFTPServerHandler._return_types, CHECK_FILE_NAME: FXP_EXTENDED_REPLY}
+
+
+class _PartnerSession(SSHServerStreamSession):
+    """A session that serves SFTP only (no shell, exec or scp), through `_PartnerSFTPHandler`: asyncssh's own
+    session would start its stock handler."""
+
+    def session_started(self) -> None:
+        assert self._chan is not None and self._conn is not None
+        server = self._init_sftp_server()  # also switches the channel to bytes
+        handler = _PartnerSFTPHandler(server, SSHReader(self, self._chan), SSHWriter(self, self._chan),
+                                      self._sftp_version)
+        self._conn.create_task(handler.run())
+
+
+class _ConnectionTracker(asyncssh.SSHServer):
+    """Keeps the partner's set of open connections current, so faults can drop them, and opens its sessions."""
+
+    def __init__(self, connections: set[asyncssh.SSHServerConnection],
+                 sftp_factory: Callable[[asyncssh.SSHServerChannel], _PartnerSFTPServer]) -> None:
         self._connections = connections
+        self._sftp_factory = sftp_factory
         self._conn: asyncssh.SSHServerConnection | None = None
+
+    def session_requested(self) -> _PartnerSession:
+        return _PartnerSession(None, self._sftp_factory, sftp_version=3)
 
     def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
         self._conn = conn
@@ -108,6 +174,7 @@ class LocalPartner:
         port: int = 0,
         host_key_path: Path | None = None,
         client_key_path: Path | None = None,
+        offers_check_file: bool = True,
     ) -> None:
         self.root = Path(root)
         self.host = host
@@ -117,6 +184,7 @@ class LocalPartner:
             Path(client_key_path) if client_key_path else self.root.parent / "partner_client_key"
         )
         self.hooks = PartnerHooks()
+        self.offers_check_file = offers_check_file
         self.host_key_line = ""
         self._server: asyncssh.SSHAcceptor | None = None
         self._connections: set[asyncssh.SSHServerConnection] = set()
@@ -143,8 +211,10 @@ class LocalPartner:
             server_host_keys=[host_key],
             # Only the generated client key gets in, under any user name.
             authorized_client_keys=asyncssh.import_authorized_keys(client_key.export_public_key().decode()),
-            server_factory=lambda: _ConnectionTracker(self._connections),
-            sftp_factory=lambda chan: _PartnerSFTPServer(chan, root=root, hooks=hooks),
+            server_factory=lambda: _ConnectionTracker(
+                self._connections,
+                lambda chan: _PartnerSFTPServer(chan, root=root, hooks=hooks,
+                                                offers_check_file=self.offers_check_file)),
             allow_scp=False,
             config=[],
         )

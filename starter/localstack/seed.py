@@ -38,7 +38,8 @@ async def seed_destination(
     hash_evidence: str = "none",
     acknowledgment_dir: str | None = None,
 ) -> uuid.UUID:
-    """Insert, or with a known ID bring the address and keys up to date (the local partner's port changes)."""
+    """Insert, or with a known ID bring the address, keys and contract up to date (the local partner's port
+    changes)."""
     destination_id = destination_id or uuid.uuid4()
     await conn.execute(
         """
@@ -46,7 +47,8 @@ async def seed_destination(
                                   credential_ref, enabled, name_and_size_identify, hash_evidence, acknowledgment_dir)
         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
         ON CONFLICT (id) DO UPDATE SET host = excluded.host, port = excluded.port, host_key = excluded.host_key,
-            credential_ref = excluded.credential_ref
+            credential_ref = excluded.credential_ref, name_and_size_identify = excluded.name_and_size_identify,
+            hash_evidence = excluded.hash_evidence, acknowledgment_dir = excluded.acknowledgment_dir
         """,
         destination_id, tenant_id, name, host, port, username, final_dir, temp_dir, host_key, credential_ref,
         enabled, name_and_size_identify, hash_evidence, acknowledgment_dir,
