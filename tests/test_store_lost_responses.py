@@ -90,7 +90,7 @@ async def reread_waiting(proxy: PgFaultProxy) -> None:
     async def held() -> int:
         return proxy.held
 
-    await eventually(held, lambda n: n == 1, timeout=5, what="the re-read waiting for its connection")
+    await eventually(held, lambda n: n == 1, timeout=15, what="the re-read waiting for its connection")
 
 
 def uncertain_logged(caplog: pytest.LogCaptureFixture) -> bool:
@@ -369,7 +369,7 @@ async def test_uncertainty_is_what_a_cut_raises_and_nothing_else(db, proxy):
             await eventually(
                 lambda: db.admin.fetchval(
                     "SELECT count(*) FROM pg_stat_activity WHERE query = 'SELECT pg_sleep(10)' AND state = 'active'"),
-                lambda n: n == 1, timeout=5, what="the statement running on the server")
+                lambda n: n == 1, timeout=15, what="the statement running on the server")
             proxy.cut_all()
             with pytest.raises(Exception) as cut:
                 await bounded(sleeping)
