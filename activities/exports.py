@@ -330,7 +330,7 @@ class ExportActivities:
                         destination_config(destination),
                         file.path,
                         file.final_name,
-                        partner.temp_name(file.final_name, attempt_id),
+                        f".{file.final_name}.{attempt_id}.part",
                         record_evidence=record_evidence,
                         on_progress=lambda sent, total: progress.update(sent=sent),
                         throttle_bytes_per_second=self.settings.upload_throttle_bytes_per_second,

@@ -203,23 +203,6 @@ async def _listing(sftp: asyncssh.SFTPClient, path: str) -> RemoteFile:
     return RemoteFile(path=path, exists=True, size=attrs.size, mtime=attrs.mtime)
 
 
-def temp_name(final_name: str, attempt_id: object) -> str:
-    """An attempt's temporary name in temp_dir: hidden, and unique to the attempt."""
-    return f".{final_name}.{attempt_id}.part"
-
-
-async def remove_temp(dest: DestinationConfig, name: str, *, timeout: float = 10.0) -> bool:
-    """Remove a temporary file at the partner, on a connection of its own: True if it was there, False if not.
-    Raises what the connection or the server raises."""
-    async with asyncio.timeout(timeout):
-        async with connect(dest, connect_timeout=timeout) as sftp:
-            try:
-                await sftp.remove(posixpath.join(dest.temp_dir, name))
-            except asyncssh.SFTPNoSuchFile:
-                return False
-            return True
-
-
 async def list_final(dest: DestinationConfig, final_name: str, *, timeout: float = 10.0) -> RemoteFile:
     """The final name as the partner shows it now, on a connection of its own (recovery's evidence)."""
     async with asyncio.timeout(timeout):

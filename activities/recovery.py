@@ -63,30 +63,7 @@ class RecoveryActivities:
             "step": "recovery_listing", "final": listing.model_dump() if listing else None,
             "resolution": resolution.value, "summary": summary})
         changed = await self.recovery.resolve(row.id, row.attempt_id, resolution, summary, run_id)
-        if changed:
-            await self._remove_temp(row, run_id)
         return (RESOLVED if changed else None), summary
-
-    async def _remove_temp(self, row: JobRow, run_id: str) -> None:
-        """A crashed upload leaves its temporary file at the partner. Removed only once the resolution has
-        committed: before, the attempt could still renew and finish its own upload. Removing it also means a
-        paused worker that wakes up later has nothing to rename into place."""
-        destination = await self.store.read_destination(row.tenant_id, row.destination_id)
-        if destination is None or row.expected_file_name is None:
-            return
-        name = partner.temp_name(row.expected_file_name, row.attempt_id)
-        try:
-            removed, error = await partner.remove_temp(destination_config(destination), name), None
-        except Exception as exc:
-            removed, error = False, f"{type(exc).__name__}: {exc}"
-            log.warning("recovery could not remove the temporary file %s of %s: %s", name, row.id, error)
-        if not removed and error is None:
-            return  # nothing was left there
-        try:
-            await self.store.append_evidence(row.id, row.attempt_id, f"recovery/{run_id}", {
-                "step": "recovery_cleanup", "temp": name, "removed": removed, "error": error})
-        except Exception as exc:
-            log.warning("could not record the temporary file's removal for %s: %s", row.id, exc)
 
     async def _listing(self, row: JobRow) -> partner.RemoteFile | None:
         destination = await self.store.read_destination(row.tenant_id, row.destination_id)

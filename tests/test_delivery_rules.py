@@ -6,7 +6,6 @@ writes the final name between the listing and the rename.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import uuid
 from contextlib import AsyncExitStack
@@ -259,42 +258,6 @@ async def test_replacement_crashed_before_its_baseline__recovery_leaves_it_outco
     assert row.status is Status.OUTCOME_UNKNOWN  # the file there is the original's, not evidence for this one
     assert "ResolvedByRecovery" in await kinds(h, replacement)
     assert (outbound(h) / row.final_name).read_bytes() == content
-
-
-async def test_worker_killed_mid_upload__recovery_removes_its_temporary_file(db, store, client, tmp_path):
-    """SIGKILL in the middle of the transfer (from inside the partner's write handler): the partial temporary
-    file stays at the partner until recovery has resolved the attempt, and then it is gone."""
-    async with AsyncExitStack() as stack:
-        h = await open_harness(stack, db, store, client, tmp_path, in_process_worker=False, contacts=2000,
-                               lease_seconds=2.0, renew_every_seconds=0.5,
-                               upload_throttle_bytes_per_second=60_000)
-        worker = await WorkerProcess(h.settings).start()
-        stack.push_async_callback(worker.stop)
-        partial: list[str] = []
-
-        async def kill_mid_transfer(path: str, offset: int) -> None:
-            if offset >= 64 * 1024 and not partial:
-                partial.append(path)
-                worker.kill()
-
-        h.partner.hooks.on_write = kill_mid_transfer
-        job_id = await h.create()
-        await eventually(lambda: asyncio.sleep(0, partial), bool, timeout=30, what="the upload under way")
-        await asyncio.wait_for(worker.process.wait(), timeout=15)
-        temp = h.partner.root / partial[0].lstrip("/")
-        assert temp.exists() and leftovers(h) == [temp.name], "the crash left no partial file to clean up"
-        await eventually(lambda: h.db.admin.fetchval(
-            "SELECT lease_expires_at < clock_timestamp() FROM export_jobs WHERE id = $1", job_id), bool,
-            timeout=20, what="the lease expired")
-        survivor = await WorkerProcess(h.settings).start()  # runs the recovery workflow
-        stack.push_async_callback(survivor.stop)
-        await asyncio.wait_for(run_recovery(h.client, h.settings), timeout=60)
-        row = await h.store.read_job(job_id)
-        assert row.status is Status.OUTCOME_UNKNOWN  # never Failed from an absent file
-        assert leftovers(h) == [] and list(outbound(h).iterdir()) == []
-        details = await h.db.admin.fetch(
-            "SELECT detail FROM export_attempt_events WHERE job_id = $1 AND kind = 'DeliveryEvidence'", job_id)
-        assert any('"recovery_cleanup"' in d["detail"] and '"removed": true' in d["detail"] for d in details)
 
 
 async def test_pinned_host_key_mismatch__refuses_to_connect_and_writes_nothing(harness: Harness):
