@@ -52,3 +52,10 @@ async def eventually(
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} did not hold within {timeout} s; last value: {value!r}")
         await asyncio.sleep(interval)
+
+
+async def delivery_evidence(admin: asyncpg.Connection, job_id: uuid.UUID) -> list[str]:
+    """The details (JSON text) of an export's DeliveryEvidence events, oldest first."""
+    rows = await admin.fetch("SELECT detail FROM export_attempt_events WHERE job_id = $1 "
+                             "AND kind = 'DeliveryEvidence' ORDER BY id", job_id)
+    return [r["detail"] for r in rows]

@@ -17,7 +17,7 @@ import pytest
 from activities import partner
 from store.models import FailureCode, Status
 from store.reconciliation import reconcile
-from tests.support import eventually
+from tests.support import delivery_evidence, eventually
 from tests.workflow_support import Harness, WorkerProcess, held_at, open_harness, run_recovery
 
 
@@ -142,9 +142,8 @@ async def test_replacement__hash_extension_withdrawn_touches_nothing(harness: Ha
     row = await h.settled(await replacement_of(h, original, agreement="partner ticket 4711"))
     assert (row.status, row.failure_reason) == (Status.FAILED, FailureCode.NOT_DELIVERED)
     assert (outbound(h) / row.final_name).read_bytes() == content and leftovers(h) == []
-    details = await h.db.admin.fetch(
-        "SELECT detail FROM export_attempt_events WHERE job_id = $1 AND kind = 'DeliveryEvidence'", row.id)
-    assert any("SFTPOpUnsupported" in d["detail"] for d in details), details
+    details = await delivery_evidence(h.db.admin, row.id)
+    assert any("SFTPOpUnsupported" in d for d in details), details
 
 
 @pytest.mark.spec("RD2")
@@ -268,9 +267,8 @@ async def test_pinned_host_key_mismatch__refuses_to_connect_and_writes_nothing(h
     row = await h.settled(job_id)
     assert (row.status, row.failure_reason) == (Status.FAILED, FailureCode.NOT_DELIVERED)
     assert list(outbound(h).iterdir()) == [] and leftovers(h) == []
-    details = await h.db.admin.fetch(
-        "SELECT detail FROM export_attempt_events WHERE job_id = $1 AND kind = 'DeliveryEvidence'", job_id)
-    assert any("HostKeyMismatch" in d["detail"] for d in details), details
+    details = await delivery_evidence(h.db.admin, job_id)
+    assert any("HostKeyMismatch" in d for d in details), details
 
 
 async def test_scavenger__a_started_worker_removes_built_files_no_attempt_can_use(db, store, client, tmp_path):

@@ -14,6 +14,7 @@ from starter.localstack.seed import seed_destination
 from store.models import FailureCode, Status
 from tests.openssh_partner import OpenSshPartner, require_sshd
 from tests.store_states import drive
+from tests.support import delivery_evidence
 from tests.workflow_support import Harness
 
 
@@ -98,9 +99,8 @@ async def test_openssh__offers_no_check_file_so_a_delivery_is_confirmed_by_size(
             await check_file_sha256(sftp, f"{openssh.destination().final_dir}/anything.csv")
     row = await run_export(harness, await openssh_destination(harness, openssh, hash_evidence="check_file"))
     assert row.status is Status.COMPLETED
-    receipts = await harness.db.admin.fetch(
-        "SELECT detail FROM export_attempt_events WHERE job_id = $1 AND kind = 'DeliveryEvidence'", row.id)
-    assert any("SFTPOpUnsupported" in r["detail"] and '"receipt"' in r["detail"] for r in receipts), receipts
+    receipts = await delivery_evidence(harness.db.admin, row.id)
+    assert any("SFTPOpUnsupported" in r and '"receipt"' in r for r in receipts), receipts
 
 
 async def test_openssh__pinned_host_key_mismatch_refuses_to_connect(openssh: OpenSshPartner):

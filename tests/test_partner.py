@@ -156,8 +156,12 @@ async def test_connection_closed_after_rename_is_outcome_unknown(
     assert evidence.first("fresh_listing")["final"]["exists"] is True
 
 
-def with_contract(partner: LocalPartner, **contract: object):
-    return partner.destination(contract=PartnerContract(**contract))
+async def deliver_under_check_file(partner: LocalPartner, local: tuple[Path, bytes], evidence: Evidence):
+    """A delivery to a destination whose contract says the partner answers check-file-name."""
+    path, data = local
+    return await bounded(deliver(partner.destination(contract=PartnerContract(hash_evidence="check_file")),
+                                 str(path), "contacts-k.csv", "k.part", record_evidence=evidence,
+                                 expected_sha256=hashlib.sha256(data).hexdigest()))
 
 
 async def test_check_file__the_partner_hashes_its_own_file(partner: LocalPartner) -> None:
@@ -176,11 +180,9 @@ async def test_check_file__the_partner_hashes_its_own_file(partner: LocalPartner
 async def test_check_file__delivery_confirmed_by_the_partners_hash(
     partner: LocalPartner, local: tuple[Path, bytes]
 ) -> None:
-    path, data = local
+    data = local[1]
     evidence = Evidence()
-    result = await bounded(deliver(with_contract(partner, hash_evidence="check_file"), str(path),
-                                   "contacts-k.csv", "k.part", record_evidence=evidence,
-                                   expected_sha256=hashlib.sha256(data).hexdigest()))
+    result = await deliver_under_check_file(partner, local, evidence)
     assert result.outcome == "Completed" and "confirmed by sha256" in result.summary, result.summary
     assert evidence.first("receipt")["sha256"] == hashlib.sha256(data).hexdigest()
 
@@ -188,28 +190,23 @@ async def test_check_file__delivery_confirmed_by_the_partners_hash(
 async def test_check_file__a_file_changed_at_the_partner_is_not_confirmed(
     partner: LocalPartner, local: tuple[Path, bytes]
 ) -> None:
-    path, data = local
+    data = local[1]
     altered = bytes([data[0] ^ 1]) + data[1:]
 
     async def partner_rewrites(old: str, new: str) -> None:
         (partner.root / new.lstrip("/")).write_bytes(altered)  # same size, other bytes
 
     partner.hooks.after_rename = partner_rewrites
-    result = await bounded(deliver(with_contract(partner, hash_evidence="check_file"), str(path),
-                                   "contacts-k.csv", "k.part", record_evidence=Evidence(),
-                                   expected_sha256=hashlib.sha256(data).hexdigest()))
+    result = await deliver_under_check_file(partner, local, Evidence())
     assert result.outcome == "OutcomeUnknown" and "sha256" in result.summary, result.summary
 
 
 async def test_check_file__not_offered_after_all_falls_back_to_size_and_says_so(
     partner: LocalPartner, local: tuple[Path, bytes]
 ) -> None:
-    path, data = local
     partner.offers_check_file = False
     evidence = Evidence()
-    result = await bounded(deliver(with_contract(partner, hash_evidence="check_file"), str(path),
-                                   "contacts-k.csv", "k.part", record_evidence=evidence,
-                                   expected_sha256=hashlib.sha256(data).hexdigest()))
+    result = await deliver_under_check_file(partner, local, evidence)
     assert result.outcome == "Completed" and "confirmed by size" in result.summary, result.summary
     assert "hash was unavailable" in result.summary
     receipt = evidence.first("receipt")
