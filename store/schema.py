@@ -34,6 +34,7 @@ destinations = Table(
     Column("name_and_size_identify", Boolean, nullable=False),
     Column("hash_evidence", Text, nullable=False),
     Column("acknowledgment_dir", Text),
+    Column("temp_file_max_age_seconds", Integer, nullable=False),
 )
 
 contacts = Table(

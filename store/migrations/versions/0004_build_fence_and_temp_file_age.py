@@ -1,0 +1,60 @@
+"""Fenced builds and an agreed age for temporary files at the partner.
+
+- `BuildStarted`: every build of an attempt (the first, and each resumption after its worker went quiet) takes
+  the attempt's build slot with one conditional statement that records the build's holder in `claimed_by` and
+  this event, naming the holder. From that commit, the earlier build's renewals and writes, which match their own
+  holder, match no row. An attempt may be built several times, so the event is not a one-per-attempt transition.
+- `destinations.temp_file_max_age_seconds`: the age after which the partner agreed that a temporary file of ours
+  may be removed. Recovery cannot tell a dead worker from a paused one, so cleanup keys on this age, which must
+  stay far above the deliver activity's six-hour timeout (the check allows no less than twelve hours).
+
+Revision ID: 0004
+Revises: 0003
+"""
+
+from __future__ import annotations
+
+from alembic import op
+
+revision = "0004"
+down_revision = "0003"
+branch_labels = None
+depends_on = None
+
+EVENT_KINDS = ("'Claimed', 'BuildStarted', 'DeliveryAuthorized', 'Stopped', 'Failed', 'Finished', "
+               "'RequeuedByRecovery', 'StoppedByRecovery', 'AttemptsExhausted', 'ResolvedByRecovery', "
+               "'Reconciled', 'Corrected', 'DeliveryEvidence'")
+
+
+def upgrade() -> None:
+    op.execute(f"""
+        ALTER TABLE export_attempt_events
+            DROP CONSTRAINT export_attempt_events_kind_check,
+            ADD CONSTRAINT export_attempt_events_kind_check CHECK (kind IN ({EVENT_KINDS}))
+    """)
+    op.execute("DROP INDEX uq_attempt_transition")
+    op.execute("""
+        CREATE UNIQUE INDEX uq_attempt_transition ON export_attempt_events (job_id, attempt_id, kind)
+            WHERE kind NOT IN ('DeliveryEvidence', 'BuildStarted')
+    """)
+    op.execute("""
+        ALTER TABLE destinations
+            ADD COLUMN temp_file_max_age_seconds int NOT NULL DEFAULT 604800
+                CONSTRAINT ck_destinations_temp_file_max_age CHECK (temp_file_max_age_seconds >= 43200)
+    """)
+
+
+def downgrade() -> None:
+    op.execute("ALTER TABLE destinations DROP COLUMN temp_file_max_age_seconds")
+    op.execute("DELETE FROM export_attempt_events WHERE kind = 'BuildStarted'")
+    op.execute("DROP INDEX uq_attempt_transition")
+    op.execute("""
+        CREATE UNIQUE INDEX uq_attempt_transition ON export_attempt_events (job_id, attempt_id, kind)
+            WHERE kind <> 'DeliveryEvidence'
+    """)
+    op.execute(f"""
+        ALTER TABLE export_attempt_events
+            DROP CONSTRAINT export_attempt_events_kind_check,
+            ADD CONSTRAINT export_attempt_events_kind_check
+                CHECK (kind IN ({EVENT_KINDS.replace("'BuildStarted', ", "")}))
+    """)
