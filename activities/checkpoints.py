@@ -14,6 +14,7 @@ from uuid import UUID
 log = logging.getLogger(__name__)
 
 CLAIM = "claim"                      # before the claim statement
+AFTER_CLAIM = "after_claim"          # the claim statement answered; the activity has not yet returned
 BUILD_STARTED = "build_started"      # the build activity has renewed its lease and is about to build
 BUILD_CANCELLED = "build_cancelled"  # the build was cancelled; the lease still kept, the stop not yet written
 BEFORE_CUTOFF_2 = "before_cutoff_2"  # the file is built; cutoff 2 not yet attempted

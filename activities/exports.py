@@ -135,6 +135,7 @@ class ExportActivities:
     async def claim(self, request: ClaimInput) -> ClaimOutput:
         await self.checkpoints.reached(checkpoints.CLAIM, request.job_id)
         result = await self.store.claim(request.job_id, request.checked_version, request.attempt_id, self.worker_id)
+        await self.checkpoints.reached(checkpoints.AFTER_CLAIM, request.job_id)
         return ClaimOutput(
             result=result, worker_task_queue=self.worker_task_queue, lease_seconds=self.settings.lease_seconds
         )

@@ -142,6 +142,10 @@ class JobStore:
             )
             if inserted == 1:
                 return ClaimResult.CLAIMED
+        except errors.TransitionAlreadyRecorded:
+            # This attempt ID already claimed the job once (a retry after recovery requeued it): the ID is spent.
+            log.warning("claim of %s: attempt %s was already used; lost", job_id, attempt_id)
+            return ClaimResult.LOST
         except Exception as exc:
             if not errors.is_uncertain(exc):
                 raise
