@@ -1,8 +1,12 @@
 """What the evidence says about a Delivering attempt whose worker went quiet (reference design, Recovery).
 
-Completed only on evidence: a receipt the attempt appended that matches the expected file, or a listing of the
-final name with the expected size that changed from the attempt's baseline (for an original, whose name is unique
-to its delivery key, the baseline is an absent file). Never Failed from an absent file: a paused worker can
+A receipt the attempt appended is judged by exactly the rule its worker would have applied after the rename
+(activities/outcomes.py). Without one, recovery takes its own look at the final name, with every evidence by
+content the destination's contract offers, and accepts it only where the worker's rules would: a final name that
+changed from the attempt's baseline (for an original, whose name is unique to its key, an absent or unrecorded
+baseline; for a replacement, only its own recorded one, or its recorded overwrite), holding the expected file by
+sha256 or acknowledgment where the contract offers one, by size only where it offers none (and for a replacement
+only where name and size identify a file by contract). Never Failed from an absent file: a paused worker can
 outlast any timeout. Everything else is OutcomeUnknown, for reconciliation.
 """
 
@@ -11,7 +15,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from activities.partner import RemoteFile
+from activities import outcomes
+from activities.partner import PartnerContract
 from store.models import JobRow, Status
 
 
@@ -27,26 +32,47 @@ def attempt_evidence(events: list[dict[str, Any]], attempt_id: object) -> list[d
     return found
 
 
-def judge(row: JobRow, evidence: list[dict[str, Any]], listing: RemoteFile | None) -> tuple[Status, str]:
-    expected = row.expected_file_bytes
-    for record in evidence:
-        final = record.get("final") or {}
-        if record.get("step") == "receipt" and final.get("exists") and final.get("size") == expected:
-            return Status.COMPLETED, f"receipt appended by the attempt: {row.expected_file_name}, {expected} bytes"
+def _judged(outcome: outcomes.Outcome, summary: str, source: str) -> tuple[Status, str]:
+    return Status(outcome), f"{source}: {summary}"
+
+
+def judge(row: JobRow, evidence: list[dict[str, Any]], look: outcomes.FinalLook | None,
+          contract: PartnerContract) -> tuple[Status, str]:
+    expected_bytes = row.expected_file_bytes or 0
+    expected_sha256 = row.expected_file_sha256.hex() if row.expected_file_sha256 else None
+    overwrite = any(r.get("step") == "decision" and r.get("decision") == "Overwrite" for r in evidence)
+    rule = {"final_name": row.expected_file_name or "", "expected_bytes": expected_bytes,
+            "expected_sha256": expected_sha256}
+
+    receipts = [r for r in evidence if r.get("step") == "receipt"]
+    if receipts:
+        receipt = receipts[-1]
+        final = receipt.get("final") or {}
+        seen = outcomes.FinalLook(exists=bool(final.get("exists")), size=final.get("size"),
+                                  sha256=receipt.get("sha256"), sha256_error=receipt.get("sha256_error"),
+                                  acknowledged_sha256=receipt.get("acknowledged_sha256"))
+        return _judged(*outcomes.after_rename(seen, overwrite=overwrite or bool(receipt.get("overwrite")), **rule),
+                       "receipt appended by the attempt")
+
+    name = row.expected_file_name
+    if look is None:
+        return Status.OUTCOME_UNKNOWN, "no receipt, and the destination could not be looked at"
+    if not look.exists:
+        return Status.OUTCOME_UNKNOWN, f"look: {name} absent; the attempt may still upload"
     baselines = [r for r in evidence if r.get("step") == "baseline"]
-    if row.replaces_job_id is None:
-        baseline_absent = not baselines or not (baselines[0].get("final") or {}).get("exists")
-    else:
+    occupied_before = bool(baselines) and bool((baselines[0].get("final") or {}).get("exists"))
+    if row.replaces_job_id is not None and not baselines:
         # A file under a replacement's name may be the original's: only this attempt's own baseline counts.
-        baseline_absent = bool(baselines) and not (baselines[0].get("final") or {}).get("exists")
-    if listing is None:
-        return Status.OUTCOME_UNKNOWN, "no receipt, and the destination could not be listed"
-    if listing.exists and listing.size == expected and baseline_absent:
-        return Status.COMPLETED, (f"listing: {row.expected_file_name} holds the expected {expected} bytes, "
-                                  "changed from an absent baseline")
-    if listing.exists:
-        why = ("no baseline recorded by this replacement" if row.replaces_job_id and not baselines
-               else f"{listing.size} bytes where {expected} were expected" if listing.size != expected
-               else "the name was occupied before the upload")
-        return Status.OUTCOME_UNKNOWN, f"listing: {row.expected_file_name} exists, but {why}"
-    return Status.OUTCOME_UNKNOWN, f"listing: {row.expected_file_name} absent; the attempt may still upload"
+        return Status.OUTCOME_UNKNOWN, f"look: {name} exists, but no baseline was recorded by this replacement"
+    if occupied_before and not overwrite:
+        return Status.OUTCOME_UNKNOWN, f"look: {name} exists, but the name was occupied before the upload"
+    if look.content_sha256 is None:
+        if contract.hash_evidence != "none":
+            return Status.OUTCOME_UNKNOWN, (f"look: {name} exists, but the evidence by content the contract "
+                                            f"offers ({contract.hash_evidence}) could not be had: "
+                                            f"{look.sha256_error or 'no answer'}")
+        if row.replaces_job_id is not None and not contract.name_and_size_identify:
+            return Status.OUTCOME_UNKNOWN, (f"look: {name} exists, but without evidence by content a "
+                                            "replacement's file is identified by name and size only where the "
+                                            "contract says so")
+    return _judged(*outcomes.after_rename(look, overwrite=overwrite, **rule), "look")

@@ -56,23 +56,6 @@ async def run_to_end(work: Coroutine[Any, Any, T], on_cancel: Callable[[], None]
             on_cancel()
 
 
-def destination_config(row: dict[str, Any]) -> partner.DestinationConfig:
-    return partner.DestinationConfig(
-        host=row["host"],
-        port=row["port"],
-        username=row["username"],
-        final_dir=row["final_dir"],
-        temp_dir=row["temp_dir"],
-        host_key=row["host_key"],
-        credential_ref=row["credential_ref"],
-        contract=partner.PartnerContract(
-            name_and_size_identify=row["name_and_size_identify"],
-            hash_evidence=row["hash_evidence"],
-            acknowledgment_dir=row["acknowledgment_dir"],
-        ),
-    )
-
-
 class ExportActivities:
     def __init__(self, store: JobStore, settings: Settings, *, worker_id: str, worker_task_queue: str) -> None:
         self.store = store
@@ -254,7 +237,7 @@ class ExportActivities:
         if destination is None:
             return False
         try:
-            return (await partner.list_final(destination_config(destination), job.final_name)).exists
+            return (await partner.list_final(partner.DestinationConfig.from_row(destination), job.final_name)).exists
         except Exception as exc:
             log.warning("preparation could not list %s for %s: %s", job.final_name, job.id, exc)
             return False
@@ -328,7 +311,7 @@ class ExportActivities:
                     )
                 else:
                     result = await partner.deliver(
-                        destination_config(destination),
+                        partner.DestinationConfig.from_row(destination),
                         file.path,
                         file.final_name,
                         f".{file.final_name}.{attempt_id}.part",

@@ -14,13 +14,14 @@ import hashlib
 import logging
 import os
 import posixpath
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
 import asyncssh
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from activities import outcomes
 from activities.sftp_check_file import check_file_sha256
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,17 @@ class DestinationConfig(BaseModel):
     host_key: str
     credential_ref: str
     contract: PartnerContract = PartnerContract()
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> DestinationConfig:
+        """The destination as its `destinations` row records it."""
+        return cls(
+            host=row["host"], port=row["port"], username=row["username"], final_dir=row["final_dir"],
+            temp_dir=row["temp_dir"], host_key=row["host_key"], credential_ref=row["credential_ref"],
+            contract=PartnerContract(name_and_size_identify=row["name_and_size_identify"],
+                                     hash_evidence=row["hash_evidence"],
+                                     acknowledgment_dir=row["acknowledgment_dir"]),
+        )
 
     @model_validator(mode="after")
     def _temp_dir_is_not_final_dir(self) -> DestinationConfig:
@@ -208,6 +220,25 @@ async def list_final(dest: DestinationConfig, final_name: str, *, timeout: float
     async with asyncio.timeout(timeout):
         async with connect(dest, connect_timeout=timeout) as sftp:
             return await _listing(sftp, posixpath.join(dest.final_dir, final_name))
+
+
+async def look_at_final(dest: DestinationConfig, final_name: str, *, timeout: float = 10.0) -> outcomes.FinalLook:
+    """The final name with every evidence by content the contract offers (hash, acknowledgment), on a connection
+    of its own: recovery's own look. A hash or acknowledgment that cannot be had is recorded, not raised."""
+    final_path = posixpath.join(dest.final_dir, final_name)
+    async with asyncio.timeout(timeout * 4):
+        async with connect(dest, connect_timeout=timeout) as sftp:
+            listing = await _listing(sftp, final_path)
+            if not listing.exists:
+                return outcomes.FinalLook(exists=False)
+            sha256 = acknowledged = error = None
+            try:
+                sha256 = await _content_sha256(sftp, dest, final_path, timeout)
+                acknowledged = await _acknowledged_sha256(sftp, dest, final_name, timeout)
+            except (asyncssh.Error, OSError) as exc:
+                error = _describe(exc)
+            return outcomes.FinalLook(exists=True, size=listing.size, sha256=sha256, sha256_error=error,
+                                      acknowledged_sha256=acknowledged)
 
 
 async def _content_sha256(sftp: asyncssh.SFTPClient, dest: DestinationConfig, path: str,
@@ -441,6 +472,8 @@ async def deliver(
     occupied: DeliveryResult | None = None
     content: str | None = None
     content_error: str | None = None
+    acknowledged: str | None = None
+    overwrite = False
     total = 0
     try:
         total = os.path.getsize(local_path)
@@ -449,7 +482,6 @@ async def deliver(
             async with asyncio.timeout(operation_timeout):
                 baseline = await _listing(sftp, final_path)
             await _record(record_evidence, {"step": "baseline", "final": baseline.model_dump()})
-            overwrite = False
             if baseline.exists:
                 decision, why = "FinalNameOccupied", "an original's name is unique to its key"
                 if replacement is not None:
@@ -496,7 +528,7 @@ async def deliver(
                 try:
                     content = await _content_sha256(sftp, dest, final_path, operation_timeout)
                     if content is None and overwrite:
-                        content = await _acknowledged_sha256(sftp, dest, final_name, operation_timeout)
+                        acknowledged = await _acknowledged_sha256(sftp, dest, final_name, operation_timeout)
                 except _CAUGHT as exc:
                     # The receipt stands; only the evidence by content is missing, and the outcome says so.
                     content_error = _describe(exc)
@@ -512,35 +544,20 @@ async def deliver(
 
     await _record_quietly(record_evidence, {"step": "receipt", "final": receipt.model_dump(),
                                             "expected_bytes": total, "sha256": content,
-                                            "sha256_error": content_error, "expected_sha256": expected_sha256})
-    if receipt.exists and receipt.size == total:
-        if content is not None and content == expected_sha256:
-            logger.info("delivered %s to %s, %d bytes, sha256 confirmed", final_path, dest.host, total)
-            return DeliveryResult(outcome="Completed", receipt=receipt,
-                                  summary=f"uploaded {final_name}, {total} bytes, confirmed by sha256")
-        if content is not None:
-            return DeliveryResult(outcome="OutcomeUnknown",
-                                  summary=f"outcome unknown: {final_name} holds {total} bytes, but their sha256 "
-                                          "is not the expected file's")
-        if overwrite:
-            # Name and size cannot show an overwrite happened: a rebuilt export can have the same size.
-            return DeliveryResult(outcome="OutcomeUnknown",
-                                  summary=f"outcome unknown: {final_name} was overwritten with {total} bytes, "
-                                          "and no hash or acknowledgment confirms this upload")
-        logger.info("delivered %s to %s, %d bytes", final_path, dest.host, total)
-        unhashed = f" (the partner's hash was unavailable: {content_error})" if content_error else ""
-        return DeliveryResult(
-            outcome="Completed",
-            summary=f"uploaded {final_name}, {total} bytes, confirmed by size{unhashed}",
-            receipt=receipt,
-        )
-    logger.warning("rename of %s acknowledged but the listing shows %s", final_path, receipt.model_dump())
-    found = f"{receipt.size} bytes" if receipt.exists else "no file"
-    return DeliveryResult(
-        outcome="OutcomeUnknown",
-        summary=f"outcome unknown: rename of {final_name} acknowledged, but the final name holds {found}, "
-                f"expected {total} bytes",
-    )
+                                            "sha256_error": content_error, "acknowledged_sha256": acknowledged,
+                                            "expected_sha256": expected_sha256, "overwrite": overwrite})
+    outcome, summary = outcomes.after_rename(receipt_look(receipt, content, content_error, acknowledged),
+                                             final_name=final_name, expected_bytes=total,
+                                             expected_sha256=expected_sha256, overwrite=overwrite)
+    log = logger.info if outcome == "Completed" else logger.warning
+    log("delivery of %s to %s: %s", final_path, dest.host, summary)
+    return DeliveryResult(outcome=outcome, summary=summary, receipt=receipt if outcome == "Completed" else None)
+
+
+def receipt_look(final: RemoteFile, sha256: str | None, sha256_error: str | None,
+                 acknowledged_sha256: str | None) -> outcomes.FinalLook:
+    return outcomes.FinalLook(exists=final.exists, size=final.size, sha256=sha256, sha256_error=sha256_error,
+                              acknowledged_sha256=acknowledged_sha256)
 
 
 async def _after_failure(

@@ -3,6 +3,7 @@ statement, resolve Delivering attempts from destination evidence, and tell the e
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from typing import Any
@@ -11,8 +12,8 @@ from temporalio import activity
 from temporalio.client import Client
 
 from activities import evidence, partner
+from activities.outcomes import FinalLook
 from activities.contracts import Candidate, RecoveryInput, SweepInput, TakeoverOutput, Wake
-from activities.exports import destination_config
 from store.jobs import JobStore
 from store.models import JobRow, Status
 from store.recovery import Candidate as StoreCandidate
@@ -56,23 +57,25 @@ class RecoveryActivities:
         if row is None or row.status is not Status.DELIVERING or row.attempt_id != candidate.attempt_id:
             return None, "moved on since the scan"
         events, _ = await self.store.history(row.id)
-        listing = await self._listing(row)
-        resolution, summary = evidence.judge(row, evidence.attempt_evidence(events, row.attempt_id), listing)
+        destination = await self.store.read_destination(row.tenant_id, row.destination_id)
+        config = partner.DestinationConfig.from_row(destination) if destination is not None else None
+        look = await self._look(row, config)
+        contract = config.contract if config is not None else partner.PartnerContract()
+        resolution, summary = evidence.judge(row, evidence.attempt_evidence(events, row.attempt_id), look, contract)
         # Recovery's own look at the destination is evidence too; reconciliation reads it later.
         await self.store.append_evidence(row.id, row.attempt_id, f"recovery/{run_id}", {
-            "step": "recovery_listing", "final": listing.model_dump() if listing else None,
+            "step": "recovery_look", "final": dataclasses.asdict(look) if look else None,
             "resolution": resolution.value, "summary": summary})
         changed = await self.recovery.resolve(row.id, row.attempt_id, resolution, summary, run_id)
         return (RESOLVED if changed else None), summary
 
-    async def _listing(self, row: JobRow) -> partner.RemoteFile | None:
-        destination = await self.store.read_destination(row.tenant_id, row.destination_id)
-        if destination is None or row.expected_file_name is None:
+    async def _look(self, row: JobRow, config: partner.DestinationConfig | None) -> FinalLook | None:
+        if config is None or row.expected_file_name is None:
             return None
         try:
-            return await partner.list_final(destination_config(destination), row.expected_file_name)
+            return await partner.look_at_final(config, row.expected_file_name)
         except Exception as exc:
-            log.warning("recovery could not list %s for %s: %s", row.expected_file_name, row.id, exc)
+            log.warning("recovery could not look at %s for %s: %s", row.expected_file_name, row.id, exc)
             return None
 
     async def _wake(self, job_id: uuid.UUID) -> None:

@@ -1,0 +1,59 @@
+"""What a look at the partner's final name proves about one attempt's delivery: pure functions, shared by the
+delivery (right after its own rename) and by recovery (from a receipt the attempt appended, or from its own look),
+so that both decide alike from the same evidence.
+
+| the final name holds                                        | outcome        |
+| ----------------------------------------------------------- | -------------- |
+| nothing, or another size than the expected file             | OutcomeUnknown |
+| the expected size, and a sha256 (or acknowledgment) equal   | Completed      |
+|   to the expected file's                                    |                |
+| the expected size, and a sha256 (or acknowledgment) that    | OutcomeUnknown |
+|   differs                                                   |                |
+| the expected size, no evidence by content, after an         | OutcomeUnknown |
+|   overwrite (a rebuilt file can have the same size)         |                |
+| the expected size, no evidence by content, no overwrite     | Completed      |
+|   (the design's listing evidence; the reason is recorded)   |                |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Outcome = Literal["Completed", "OutcomeUnknown"]
+
+
+@dataclass(frozen=True)
+class FinalLook:
+    """One look at the final name: its listing and whatever evidence by content was had."""
+
+    exists: bool
+    size: int | None = None
+    sha256: str | None = None  # hashed by read-back or by the partner (check-file), as the contract offers
+    sha256_error: str | None = None  # why the contract's hash could not be had
+    acknowledged_sha256: str | None = None  # from the partner's acknowledgment file
+
+    @property
+    def content_sha256(self) -> str | None:
+        return self.sha256 if self.sha256 is not None else self.acknowledged_sha256
+
+
+def after_rename(look: FinalLook, *, final_name: str, expected_bytes: int, expected_sha256: str | None,
+                 overwrite: bool) -> tuple[Outcome, str]:
+    """The outcome of an attempt whose rename into `final_name` was acknowledged, from a look taken after it."""
+    if not look.exists or look.size != expected_bytes:
+        found = f"{look.size} bytes" if look.exists else "no file"
+        return "OutcomeUnknown", (f"outcome unknown: {final_name} holds {found} after the rename, "
+                                  f"expected {expected_bytes} bytes")
+    content = look.content_sha256
+    if content is not None and content == expected_sha256:
+        how = "sha256" if look.sha256 is not None else "the partner's acknowledgment"
+        return "Completed", f"uploaded {final_name}, {expected_bytes} bytes, confirmed by {how}"
+    if content is not None:
+        return "OutcomeUnknown", (f"outcome unknown: {final_name} holds {expected_bytes} bytes, but their sha256 "
+                                  "is not the expected file's")
+    if overwrite:
+        return "OutcomeUnknown", (f"outcome unknown: {final_name} was overwritten with {expected_bytes} bytes, "
+                                  "and no hash or acknowledgment confirms this upload")
+    unhashed = f" (the partner's hash was unavailable: {look.sha256_error})" if look.sha256_error else ""
+    return "Completed", f"uploaded {final_name}, {expected_bytes} bytes, confirmed by size{unhashed}"
