@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from contextlib import AsyncExitStack
+from datetime import datetime, timezone
 
 import pytest
 from temporalio.api.enums.v1 import EventType
@@ -27,27 +28,42 @@ async def lease_expired(h: Harness, job_id) -> bool:
         "SELECT lease_expires_at < clock_timestamp() FROM export_jobs WHERE id = $1", job_id)
 
 
+async def scheduled_runs(h: Harness, schedule_id: str, workflow_type: str, since: datetime) -> list[str]:
+    """Completed runs that the schedule `schedule_id` started (Temporal sets TemporalScheduledById on each), on
+    this test's task queue, since `since`: never a run that another test started by hand."""
+    query = (f"TemporalScheduledById = '{schedule_id}' AND WorkflowType = '{workflow_type}' "
+             f"AND TaskQueue = '{h.settings.task_queue}' AND StartTime >= '{since.isoformat()}' "
+             "AND ExecutionStatus = 'Completed'")
+    return [w.id async for w in h.client.list_workflows(query)]
+
+
 @pytest.mark.spec("TW3")
 async def test_schedules__installed_twice_changes_nothing_and_they_run(harness: Harness):
-    settings = harness.settings.model_copy(update={"recovery_interval_seconds": 3600.0})
+    settings = harness.settings.model_copy(update={"recovery_interval_seconds": 3600.0,
+                                                   "sweeper_interval_seconds": 3600.0})
+    installed_at = datetime.now(timezone.utc)
     first = await install_schedules(harness.client, settings)
-    second = await install_schedules(harness.client, settings)
-    assert first == {RECOVERY_SCHEDULE: "created", SWEEPER_SCHEDULE: "created"}
-    assert second == {RECOVERY_SCHEDULE: "updated", SWEEPER_SCHEDULE: "updated"}
     try:
+        described = {i: (await harness.client.get_schedule_handle(i).describe()).schedule
+                     for i in (RECOVERY_SCHEDULE, SWEEPER_SCHEDULE)}
+        second = await install_schedules(harness.client, settings)
+        assert first == {RECOVERY_SCHEDULE: "created", SWEEPER_SCHEDULE: "created"}
+        assert second == {RECOVERY_SCHEDULE: "updated", SWEEPER_SCHEDULE: "updated"}
         ids = [s.id async for s in await harness.client.list_schedules()]
         assert sorted(i for i in ids if i.startswith("exports-")) == [RECOVERY_SCHEDULE, SWEEPER_SCHEDULE]
-        recovery = await harness.client.get_schedule_handle(RECOVERY_SCHEDULE).describe()
-        assert recovery.schedule.spec.intervals[0].every.total_seconds() == 3600
-        assert recovery.schedule.policy.overlap.name == "SKIP"
-        # A triggered run is a real RecoveryWorkflow on this worker.
-        await harness.client.get_schedule_handle(RECOVERY_SCHEDULE).trigger()
-
-        async def recovery_runs() -> int:
-            return len([w async for w in harness.client.list_workflows(
-                "WorkflowType = 'RecoveryWorkflow' AND ExecutionStatus = 'Completed'")])
-
-        await eventually(recovery_runs, lambda n: n >= 1, timeout=30, interval=0.5, what="a recovery run")
+        for schedule_id, before in described.items():
+            after = (await harness.client.get_schedule_handle(schedule_id).describe()).schedule
+            assert (after.action, after.spec, after.policy) == (before.action, before.spec, before.policy)
+            assert after.spec.intervals[0].every.total_seconds() == 3600
+            assert after.policy.overlap.name == "SKIP"
+            assert after.action.task_queue == settings.task_queue
+        # Each schedule's run is a real workflow on this test's worker: triggered now, not in an hour.
+        for schedule_id, workflow_type in ((RECOVERY_SCHEDULE, "RecoveryWorkflow"),
+                                           (SWEEPER_SCHEDULE, "SweeperWorkflow")):
+            await harness.client.get_schedule_handle(schedule_id).trigger()
+            await eventually(lambda: scheduled_runs(harness, schedule_id, workflow_type, installed_at),
+                             lambda runs: len(runs) >= 1, timeout=30, interval=0.5,
+                             what=f"a completed {workflow_type} started by schedule {schedule_id}")
     finally:
         for schedule_id in (RECOVERY_SCHEDULE, SWEEPER_SCHEDULE):
             await harness.client.get_schedule_handle(schedule_id).delete()
