@@ -98,6 +98,8 @@ async def running_worker(
                 if dispatcher_task is not None:
                     await dispatcher_task
     finally:
+        # Handed-over leases of attempts whose next step will not run here: left to lapse for recovery.
+        await activities.close()
         if dispatcher_engine is not None:
             await dispatcher_engine.dispose()
         await engine.dispose()

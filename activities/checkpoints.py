@@ -28,8 +28,9 @@ class Checkpoints:
 
 
 class HoldingCheckpoints(Checkpoints):
-    """Holds forever at the named points, after leaving a marker file, so that a test can SIGKILL the worker
-    process exactly there. Set only through EXPORTS_HOLD_AT, for fault-injection runs; empty in production."""
+    """Holds at the named points, after leaving a marker file, so that a test can SIGKILL or SIGSTOP the worker
+    process exactly there; a `release-<name>-<job id>` file beside the marker lets it go on. Set only through
+    EXPORTS_HOLD_AT, for fault-injection runs; empty in production."""
 
     def __init__(self, names: set[str], marker_dir: Path) -> None:
         self.names = names
@@ -41,7 +42,10 @@ class HoldingCheckpoints(Checkpoints):
         self.marker_dir.mkdir(parents=True, exist_ok=True)
         (self.marker_dir / f"held-{name}-{job_id}").touch()
         log.warning("holding export %s at checkpoint %s (EXPORTS_HOLD_AT)", job_id, name)
-        await asyncio.Event().wait()
+        release = self.marker_dir / f"release-{name}-{job_id}"
+        while not release.exists():
+            await asyncio.sleep(0.1)
+        log.warning("released export %s at checkpoint %s", job_id, name)
 
 
 def checkpoints_for(hold_at: str, marker_dir: Path) -> Checkpoints:

@@ -89,6 +89,8 @@ class ClaimOutput(BaseModel):
 class AttemptInput(BaseModel):
     job: JobRow
     attempt_id: UUID
+    # How many times the attempt's build was resumed after its worker went quiet (0: the first build).
+    resumption: int = 0
 
 
 class BuildOutput(BaseModel):
@@ -116,7 +118,8 @@ class DeliverInput(BaseModel):
 
 
 class DeliverOutput(BaseModel):
-    outcome: Status
+    # None when nothing was uploaded because the attempt could not confirm its lease first.
+    outcome: Status | None = None
     failure_reason: FailureCode | None = None
     summary: str
     written: bool

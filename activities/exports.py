@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,7 +31,7 @@ from activities.contracts import (
     DeliverOutput,
     Evaluation,
 )
-from activities.lease import LeaseKeeper
+from activities.lease import LeaseKeeper, heartbeating
 from activities.stop_watch import StopWatch
 from store import errors
 from store.db import asyncpg_dsn
@@ -63,6 +64,8 @@ class ExportActivities:
         self.worker_id = worker_id
         self.worker_task_queue = worker_task_queue
         self.checkpoints = checkpoints.Checkpoints()
+        # Each attempt's lease keeper on this worker, from its build's start to its terminal write.
+        self.keepers: dict[tuple[UUID, UUID], LeaseKeeper] = {}
 
     def all(self) -> list[Any]:
         return [
@@ -151,22 +154,45 @@ class ExportActivities:
 
     # --- the claiming worker's own task queue -----------------------------------------------------------------
 
-    def _keeper(self, request: AttemptInput | DeliverInput, **kwargs: Any) -> LeaseKeeper:
-        return LeaseKeeper(
-            self.store,
-            request.job.id,
-            request.attempt_id,
-            renew_every=self.settings.renew_every_seconds,
-            heartbeat_every=self.settings.heartbeat_throttle_seconds,
-            **kwargs,
-        )
+    def _keeper(self, job_id: UUID, attempt_id: UUID, holder: str | None,
+                on_lost: Callable[[], None] = lambda: None) -> LeaseKeeper:
+        """The attempt's lease keeper on this worker, adopted by the current step: the one the previous step handed
+        over, or a new one (the first step, or one whose keeper gave up waiting)."""
+        key = (job_id, attempt_id)
+        keeper = self.keepers.get(key)
+        if keeper is None or keeper.done or keeper.holder != holder:
+            keeper = LeaseKeeper(self.store, job_id, attempt_id, holder, renew_every=self.settings.renew_every_seconds,
+                                 on_done=lambda done: self._forget(key, done)).start()
+            self.keepers[key] = keeper
+        keeper.adopt(on_lost)
+        return keeper
+
+    async def close(self) -> None:
+        """The worker shuts down: stop every lease keeper still renewing here."""
+        for keeper in list(self.keepers.values()):
+            await keeper.finish()
+
+    def _forget(self, key: tuple[UUID, UUID], keeper: LeaseKeeper) -> None:
+        if self.keepers.get(key) is keeper:
+            del self.keepers[key]
+
+    def _hand_over(self, keeper: LeaseKeeper) -> None:
+        # The next step of the attempt is scheduled on this worker with a schedule-to-start timeout of one lease.
+        keeper.hand_over(within=self.settings.lease_seconds + self.settings.renew_every_seconds)
+
+    def _heartbeating(self, details: Callable[[], Any]) -> Any:
+        return heartbeating(self.settings.heartbeat_throttle_seconds, details)
 
     @activity.defn
     async def build(self, request: AttemptInput) -> BuildOutput:
-        """Build the file, with the lease kept and stop requests heard. Also how a build resumes elsewhere
-        after its worker was lost: it first renews, which succeeds only while no takeover has committed."""
+        """Build the file, with the lease kept and stop requests heard. Also how a build resumes elsewhere (or
+        again here) after its worker went quiet: it first takes the attempt's build slot, which fences any earlier
+        build of the attempt and fails once a takeover has committed."""
         job, attempt_id = request.job, request.attempt_id
-        path = Path(self.settings.work_dir) / f"{job.id}-{attempt_id}.csv"
+        token = uuid.uuid4().hex[:12]
+        holder = f"{self.worker_id}/{token}"
+        # One file per build, so a fenced build never writes the file a later one built.
+        path = Path(self.settings.work_dir) / f"{job.id}-{attempt_id}-{token}.csv"
         progress = {"bytes": 0}
         build_task = asyncio.current_task()
         lost = asyncio.Event()
@@ -180,45 +206,58 @@ class ExportActivities:
             if build_task is not None:
                 build_task.cancel()
 
-        async with self._keeper(request, on_lost=on_lost, details=lambda: dict(progress)) as lease:
-            if not await lease.renew_now():
-                return BuildOutput(ended="LostOwnership")  # write nothing: another attempt owns the row now
-            try:
-                async with StopWatch(self.store, asyncpg_dsn(self.settings.database_url), job.id, attempt_id,
-                                     on_stop):
-                    await self.checkpoints.reached(checkpoints.BUILD_STARTED, job.id)
-                    size, sha256_hex = await build_contacts_csv(
-                        asyncpg_dsn(self.settings.database_url),
-                        job.tenant_id,
-                        path,
-                        on_progress=lambda size: progress.update(bytes=size),
-                        throttle_bytes_per_second=self.settings.build_throttle_bytes_per_second,
-                    )
-            except asyncio.CancelledError:
-                # The stop watcher and the workflow's cancel of this activity may both fire: the second cancel
-                # must not cut off the stop's write halfway, so the write runs to its end.
-                ended = await run_to_end(self._after_build_cancelled(lease, lost, job.id, attempt_id))
-                if ended is None:
-                    raise
-                return ended
-            except BuildError as exc:
+        detail = "first build" if request.resumption == 0 else f"resumed ({request.resumption}) after its build went quiet"
+        if not await self.store.start_build(job.id, attempt_id, holder, detail):
+            return BuildOutput(ended="LostOwnership")  # write nothing: another attempt owns the row now
+        lease = self._keeper(job.id, attempt_id, holder, on_lost)
+        handed_over = False
+        try:
+            async with self._heartbeating(lambda: dict(progress)):
+                try:
+                    async with StopWatch(self.store, asyncpg_dsn(self.settings.database_url), job.id, attempt_id,
+                                         on_stop):
+                        await self.checkpoints.reached(checkpoints.BUILD_STARTED, job.id)
+                        size, sha256_hex = await build_contacts_csv(
+                            asyncpg_dsn(self.settings.database_url),
+                            job.tenant_id,
+                            path,
+                            on_progress=lambda size: progress.update(bytes=size),
+                            throttle_bytes_per_second=self.settings.build_throttle_bytes_per_second,
+                        )
+                except asyncio.CancelledError:
+                    # The stop watcher and the workflow's cancel of this activity may both fire: the second cancel
+                    # must not cut off the stop's write halfway, so the write runs to its end.
+                    ended = await run_to_end(self._after_build_cancelled(lease, lost, job.id, attempt_id, holder))
+                    if ended is None:
+                        raise
+                    return ended
+                except BuildError as exc:
+                    async with lease.terminal_write():
+                        await self.store.finish_failed(job.id, attempt_id, FailureCode.BUILD_FAILED, str(exc),
+                                                       holder=holder)
+                    return BuildOutput(ended="BuildFailed")
+            if job.replaces_job_id is None and await self._final_name_occupied(job):
+                # An original's name is unique to its key, so a file there is a conflict: end it now, from
+                # Running, where a stop request can still win, with nothing uploaded.
+                remove_local_file(path)
                 async with lease.terminal_write():
-                    await self.store.finish_failed(job.id, attempt_id, FailureCode.BUILD_FAILED, str(exc))
-                return BuildOutput(ended="BuildFailed")
-        if job.replaces_job_id is None and await self._final_name_occupied(job):
-            # An original's name is unique to its key, so a file there is a conflict: end it now, from Running,
-            # where a stop request can still win, with nothing uploaded.
-            remove_local_file(path)
-            await self.store.finish_failed(job.id, attempt_id, FailureCode.FINAL_NAME_OCCUPIED,
-                                           f"{job.final_name} exists at the partner before delivery")
-            return BuildOutput(ended="FinalNameOccupied")
-        return BuildOutput(
-            file=BuiltFile(path=str(path), final_name=job.final_name, size=size, sha256_hex=sha256_hex),
-            worker_task_queue=self.worker_task_queue,
-        )
+                    await self.store.finish_failed(job.id, attempt_id, FailureCode.FINAL_NAME_OCCUPIED,
+                                                   f"{job.final_name} exists at the partner before delivery",
+                                                   holder=holder)
+                return BuildOutput(ended="FinalNameOccupied")
+            self._hand_over(lease)
+            handed_over = True
+            return BuildOutput(
+                file=BuiltFile(path=str(path), final_name=job.final_name, size=size, sha256_hex=sha256_hex,
+                               holder=holder),
+                worker_task_queue=self.worker_task_queue,
+            )
+        finally:
+            if not handed_over:
+                await lease.finish()
 
     async def _after_build_cancelled(
-        self, lease: LeaseKeeper, lost: asyncio.Event, job_id: UUID, attempt_id: UUID
+        self, lease: LeaseKeeper, lost: asyncio.Event, job_id: UUID, attempt_id: UUID, holder: str
     ) -> BuildOutput | None:
         await self.checkpoints.reached(checkpoints.BUILD_CANCELLED, job_id)
         await lease.finish()
@@ -226,7 +265,7 @@ class ExportActivities:
             return BuildOutput(ended="LostOwnership")
         # A stop request, a terminated workflow or a shutdown: only a recorded stop request is a Stop, and only
         # this attempt's; anything else (None) leaves the row for recovery.
-        if await self.store.finish_stopped(job_id, attempt_id, "WhileBuilding"):
+        if await self.store.finish_stopped(job_id, attempt_id, "WhileBuilding", holder=holder):
             return BuildOutput(ended="Stopped")
         return None
 
@@ -249,26 +288,38 @@ class ExportActivities:
 
     @activity.defn
     async def authorize_delivery(self, request: AuthorizeInput) -> AuthorizeOutput:
-        """Cutoff 2, and what its refusal means. The file is removed unless delivery was authorized."""
+        """Cutoff 2, and what its refusal means. The file is removed unless delivery was authorized; the lease is
+        handed on to the delivery only then."""
         job, attempt_id, file = request.job, request.attempt_id, request.file
-        await self.checkpoints.reached(checkpoints.BEFORE_CUTOFF_2, job.id)
+        lease = self._keeper(job.id, attempt_id, file.holder)
+        result = AuthorizationResult.UNKNOWN
         try:
-            result = await self.store.authorize_delivery(job, attempt_id, file)
-            if result is AuthorizationResult.LEASE_LAPSED and await self.store.renew_lease(job.id, attempt_id):
-                # Still the owner, only late: the renewal succeeds only if no takeover committed. Retry once.
+            await self.checkpoints.reached(checkpoints.BEFORE_CUTOFF_2, job.id)
+            try:
                 result = await self.store.authorize_delivery(job, attempt_id, file)
-        except Exception:
-            # Whatever the row now says, this attempt will not deliver this file: recovery reads the row.
-            remove_local_file(file.path)
-            raise
-        if result is AuthorizationResult.STOP_RECORDED:
-            await self.store.finish_stopped(job.id, attempt_id, "BeforeDelivery")
-        elif result is AuthorizationResult.ORIGINAL_COMPLETED:
-            await self.store.finish_failed(job.id, attempt_id, FailureCode.ORIGINAL_DELIVERED)
-        # LeaseLapsed again, NotOwner or Unknown: write nothing to the row; recovery takes it from there.
-        if result is not AuthorizationResult.AUTHORIZED:
-            remove_local_file(file.path)
-        return AuthorizeOutput(result=result)
+                if result is AuthorizationResult.LEASE_LAPSED and await lease.renew_now():
+                    # Still the owner, only late: the renewal succeeds only if no takeover committed. Retry once.
+                    result = await self.store.authorize_delivery(job, attempt_id, file)
+            except Exception:
+                # Whatever the row now says, this attempt will not deliver this file: recovery reads the row.
+                remove_local_file(file.path)
+                raise
+            if result is AuthorizationResult.STOP_RECORDED:
+                async with lease.terminal_write():
+                    await self.store.finish_stopped(job.id, attempt_id, "BeforeDelivery", holder=file.holder)
+            elif result is AuthorizationResult.ORIGINAL_COMPLETED:
+                async with lease.terminal_write():
+                    await self.store.finish_failed(job.id, attempt_id, FailureCode.ORIGINAL_DELIVERED,
+                                                   holder=file.holder)
+            # LeaseLapsed again, NotOwner or Unknown: write nothing to the row; recovery takes it from there.
+            if result is AuthorizationResult.AUTHORIZED:
+                self._hand_over(lease)
+            else:
+                remove_local_file(file.path)
+            return AuthorizeOutput(result=result)
+        finally:
+            if result is not AuthorizationResult.AUTHORIZED:
+                await lease.finish()
 
     async def _replacement(self, job: JobRow) -> partner.Replacement | None:
         """For a replacement, what identifies its original's file, and whether an overwrite was agreed."""
@@ -295,16 +346,26 @@ class ExportActivities:
 
     async def _deliver(self, request: DeliverInput) -> DeliverOutput:
         job, attempt_id, file = request.job, request.attempt_id, request.file
-        destination = await self.store.read_destination(job.tenant_id, job.destination_id)
         progress = {"sent": 0, "total": file.size}
         observed_by = f"{self.worker_id}/{attempt_id}"
 
         async def record_evidence(detail: dict[str, Any]) -> None:
             await self.store.append_evidence(job.id, attempt_id, observed_by, detail)
 
+        lease = self._keeper(job.id, attempt_id, file.holder)
         try:
-            async with self._keeper(request, details=lambda: dict(progress)) as lease:
+            async with self._heartbeating(lambda: dict(progress)):
                 await self.checkpoints.reached(checkpoints.BEFORE_UPLOAD, job.id)
+                # Nothing irreversible without a lease confirmed now: a renewal that matches exactly one row.
+                if not await lease.confirm(within=self.settings.lease_seconds):
+                    summary = "not uploaded: the attempt could not confirm its lease before connecting"
+                    log.warning("export %s attempt %s: %s", job.id, attempt_id, summary)
+                    try:
+                        await record_evidence({"step": "not_uploaded", "why": summary})
+                    except Exception as exc:
+                        log.warning("could not record that %s uploaded nothing: %s", attempt_id, exc)
+                    return DeliverOutput(summary=summary, written=False)
+                destination = await self.store.read_destination(job.tenant_id, job.destination_id)
                 if destination is None:
                     result = partner.DeliveryResult(
                         outcome="Failed", failure_reason="NotDelivered", summary="destination vanished before upload"
@@ -326,13 +387,15 @@ class ExportActivities:
                 failure = FailureCode(result.failure_reason) if result.failure_reason else None
                 async with lease.terminal_write():
                     written = await self.store.finish_delivery(job.id, attempt_id, outcome, failure,
-                                                               result.summary)
+                                                               result.summary, holder=file.holder)
         finally:
             remove_local_file(file.path)
+            await lease.finish()
         if not written:
             log.warning("terminal write of %s attempt %s matched nothing; recovery reconciles from evidence",
                         job.id, attempt_id)
         return DeliverOutput(outcome=outcome, failure_reason=failure, summary=result.summary, written=written)
+
 
 def _uuid(value: str) -> UUID:
     try:

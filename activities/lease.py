@@ -1,9 +1,17 @@
-"""The lease keeper: inside the build and deliver activities, it renews the row lease and heartbeats to Temporal.
+"""The lease keeper and the activities' heartbeats.
 
-Each tick heartbeats (so the activity hears of its cancellation promptly, and Temporal sees it alive); every
-`renew_every` it renews the lease with the conditional statement. A renewal that throws is retried at the next
-tick and stops nothing. A renewal that changes no row means the attempt lost ownership: `on_lost` is called once.
-Renewals are serialized, so an on-demand renewal never overlaps a scheduled one.
+One keeper per attempt on the worker that builds it renews the row lease, for the build that holds the attempt,
+from the build's start to the attempt's terminal write: across the build, cutoff 2 and the delivery, which are
+separate activities on this worker's own task queue. Between two of them the keeper is handed over and keeps
+renewing, so no gap waits longer than a renewal interval; if the next step does not adopt it within a bound (its
+schedule-to-start timeout), it stops and the lease lapses for recovery.
+
+A renewal that throws is retried at the next interval and stops nothing. A renewal that changes no row means the
+attempt lost ownership: `on_lost` is called once and renewing stops. Renewals are serialized, so an on-demand
+renewal never overlaps a scheduled one.
+
+Heartbeats are the activity's own (`heartbeating`): Temporal sees the activity alive and, in the reply, tells it of
+its cancellation.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from store.jobs import JobStore
 
 log = logging.getLogger(__name__)
 
+_CONFIRM_RETRY_SECONDS = 0.5
+
 
 class LeaseKeeper:
     def __init__(
@@ -28,41 +38,59 @@ class LeaseKeeper:
         store: JobStore,
         job_id: UUID,
         attempt_id: UUID,
+        holder: str | None,
         *,
         renew_every: float,
-        heartbeat_every: float,
-        on_lost: Callable[[], None] = lambda: None,
-        details: Callable[[], Any] = lambda: None,
+        on_done: Callable[[LeaseKeeper], None] = lambda keeper: None,
     ) -> None:
         self.store = store
         self.job_id = job_id
         self.attempt_id = attempt_id
+        self.holder = holder
         self.renew_every = renew_every
-        self.heartbeat_every = heartbeat_every
-        self.on_lost = on_lost
-        self.details = details
+        self.on_lost: Callable[[], None] = lambda: None
+        self.on_done = on_done
         self.lost = False
         self._finished = False
         self._finishing = False  # finish() was called: a renewal that now finds no row is not a loss
+        self._adopt_by: float | None = None  # handed over: the next step must adopt the keeper by then
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
 
-    async def __aenter__(self) -> LeaseKeeper:
+    @property
+    def done(self) -> bool:
+        return self._finished or self._finishing or self.lost
+
+    def start(self) -> LeaseKeeper:
         self._task = asyncio.create_task(self._run(), name=f"lease-{self.job_id}")
         return self
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.finish()
+    def adopt(self, on_lost: Callable[[], None] = lambda: None) -> None:
+        """The attempt's current step takes the keeper over; `on_lost` is what a loss of ownership stops."""
+        self._adopt_by = None
+        self.on_lost = on_lost
+
+    def hand_over(self, within: float) -> None:
+        """The current step ended and the attempt goes on in another: keep renewing until it adopts the keeper,
+        for at most `within` seconds."""
+        self.on_lost = lambda: None
+        self._adopt_by = asyncio.get_running_loop().time() + within
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        next_renewal = loop.time() + self.renew_every
-        while True:
-            activity.heartbeat(self.details())
-            if loop.time() >= next_renewal:
-                next_renewal = loop.time() + self.renew_every
+        try:
+            while not self.lost:
+                await asyncio.sleep(self.renew_every)
+                if self._adopt_by is not None and loop.time() > self._adopt_by:
+                    log.warning("attempt %s of export %s: the next step did not start in time; the lease is left "
+                                "to lapse for recovery", self.attempt_id, self.job_id)
+                    break
                 await self.renew_now()
-            await asyncio.sleep(min(self.heartbeat_every, self.renew_every))
+        finally:
+            if not self._finishing:
+                if not self.lost:
+                    self._finished = True  # given up: renewals from here on would only mislead
+                self.on_done(self)
 
     async def renew_now(self) -> bool:
         """One renewal, serialized with the scheduled ones. False only when a renewal changed no row."""
@@ -70,17 +98,39 @@ class LeaseKeeper:
             if self._finished:
                 return not self.lost
             try:
-                renewed = await self.store.renew_lease(self.job_id, self.attempt_id)
+                renewed = await self.store.renew_lease(self.job_id, self.attempt_id, self.holder)
             except Exception as exc:
                 log.warning("lease renewal for %s attempt %s failed, retrying next tick: %s",
                             self.job_id, self.attempt_id, exc)
                 return True
-            # A renewal that finishes after the terminal write finds no row; that is not a loss of ownership.
-            if not renewed and not self._finishing and not self.lost:
-                self.lost = True
-                log.warning("attempt %s lost ownership of export %s", self.attempt_id, self.job_id)
-                self.on_lost()
+            self._note(renewed)
             return renewed
+
+    async def confirm(self, within: float) -> bool:
+        """A renewal that matches exactly one row, before an irreversible step. One that throws is retried for up
+        to `within` seconds; False when a renewal changes no row, or none could be made in time."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while True:
+            async with self._lock:
+                try:
+                    renewed = await self.store.renew_lease(self.job_id, self.attempt_id, self.holder)
+                except Exception as exc:
+                    if loop.time() >= deadline:
+                        log.warning("attempt %s of export %s could not confirm its lease within %.0f s: %s",
+                                    self.attempt_id, self.job_id, within, exc)
+                        return False
+                else:
+                    self._note(renewed)
+                    return renewed
+            await asyncio.sleep(_CONFIRM_RETRY_SECONDS)
+
+    def _note(self, renewed: bool) -> None:
+        # A renewal that finishes after the terminal write finds no row; that is not a loss of ownership.
+        if not renewed and not self._finishing and not self.lost:
+            self.lost = True
+            log.warning("attempt %s lost ownership of export %s", self.attempt_id, self.job_id)
+            self.on_lost()
 
     @asynccontextmanager
     async def terminal_write(self) -> AsyncIterator[None]:
@@ -106,3 +156,21 @@ class LeaseKeeper:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        self.on_done(self)
+
+
+@asynccontextmanager
+async def heartbeating(every: float, details: Callable[[], Any] = lambda: None) -> AsyncIterator[None]:
+    """Heartbeats for the current activity while the block runs (created in its context, so they are its own)."""
+
+    async def beat() -> None:
+        while True:
+            activity.heartbeat(details())
+            await asyncio.sleep(every)
+
+    task = asyncio.create_task(beat(), name=f"heartbeat-{activity.info().activity_type}")
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

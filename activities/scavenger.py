@@ -14,11 +14,13 @@ from store.models import Status
 
 log = logging.getLogger(__name__)
 
-_BUILT = re.compile(r"^(?P<job>[0-9a-f-]{36})-(?P<attempt>[0-9a-f-]{36})\.csv$")
+# <job>-<attempt>-<build token>.csv; the token is the last part of the build's holder (claimed_by).
+_BUILT = re.compile(r"^(?P<job>[0-9a-f-]{36})-(?P<attempt>[0-9a-f-]{36})(?:-(?P<token>[0-9a-f]+))?\.csv$")
 
 
 async def scavenge(store: JobStore, work_dir: Path) -> list[Path]:
-    """Remove built files whose attempt no longer holds its row in Running or Delivering; the removed paths."""
+    """Remove built files whose build no longer holds its attempt's row in Running or Delivering (the attempt
+    ended, was taken over, or another build of it fenced this one); the removed paths."""
     removed = []
     if not work_dir.is_dir():
         return removed
@@ -28,7 +30,8 @@ async def scavenge(store: JobStore, work_dir: Path) -> list[Path]:
             continue
         row = await store.read_job(uuid.UUID(match["job"]))
         still_needed = (row is not None and row.attempt_id == uuid.UUID(match["attempt"])
-                        and row.status in (Status.RUNNING, Status.DELIVERING))
+                        and row.status in (Status.RUNNING, Status.DELIVERING)
+                        and (match["token"] is None or (row.claimed_by or "").endswith(f"/{match['token']}")))
         if not still_needed and remove_local_file(path):
             log.info("scavenged %s: its attempt can no longer deliver it", path.name)
             removed.append(path)

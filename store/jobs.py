@@ -161,10 +161,27 @@ class JobStore:
             return ClaimResult.CLAIMED
         return ClaimResult.LOST
 
-    async def renew_lease(self, job_id: UUID, attempt_id: UUID) -> bool:
+    async def start_build(self, job_id: UUID, attempt_id: UUID, holder: str, detail: str) -> bool:
+        """A build takes its attempt's build slot (build_start.sql), fencing any earlier build of the attempt.
+        False when the attempt no longer holds the row; on an uncertain answer the row is asked."""
+        try:
+            if await self._write("build_start", job_id=job_id, attempt_id=attempt_id, holder=holder,
+                                 lease_seconds=self.lease_seconds, detail=detail) == 1:
+                return True
+        except Exception as exc:
+            if not errors.is_uncertain(exc):
+                raise
+            log.warning("build start of %s for attempt %s is uncertain: %s", job_id, attempt_id, exc)
+            row = await self._bounded_reread("ownership_reread", job_id=job_id)
+            return (row is not None and row["status"] == Status.RUNNING and row["attempt_id"] == attempt_id
+                    and row["claimed_by"] == holder)
+        return False
+
+    async def renew_lease(self, job_id: UUID, attempt_id: UUID, holder: str | None = None) -> bool:
         return (
             await self._write(
-                "renew_lease", job_id=job_id, attempt_id=attempt_id, lease_seconds=self.lease_seconds
+                "renew_lease", job_id=job_id, attempt_id=attempt_id, holder=holder,
+                lease_seconds=self.lease_seconds,
             )
             == 1
         )
@@ -176,10 +193,12 @@ class JobStore:
                 job_id=job.id,
                 tenant_id=job.tenant_id,
                 attempt_id=attempt_id,
+                holder=file.holder,
                 replaces_job_id=job.replaces_job_id,
                 final_name=file.final_name,
                 length=file.size,
                 sha256=bytes.fromhex(file.sha256_hex),
+                lease_seconds=self.lease_seconds,
             )
             if inserted == 1:
                 return AuthorizationResult.AUTHORIZED
@@ -195,6 +214,8 @@ class JobStore:
             return AuthorizationResult.UNKNOWN
         if row is None or row["attempt_id"] != attempt_id:
             return AuthorizationResult.NOT_OWNER
+        if file.holder is not None and row["claimed_by"] != file.holder:
+            return AuthorizationResult.NOT_OWNER  # another build of this attempt fenced this one
         if row["status"] == Status.DELIVERING:
             return AuthorizationResult.AUTHORIZED
         if row["status"] != Status.RUNNING:
@@ -206,18 +227,20 @@ class JobStore:
         # Expired, or renewed between the refusal and this read: either way, renew and retry once.
         return AuthorizationResult.LEASE_LAPSED
 
-    async def finish_stopped(self, job_id: UUID, attempt_id: UUID, stop_point: str) -> bool:
+    async def finish_stopped(self, job_id: UUID, attempt_id: UUID, stop_point: str, *,
+                             holder: str | None = None) -> bool:
         return await self._finish(
             "finish_stopped", "Stopped", Status.STOPPED, None,
-            job_id=job_id, attempt_id=attempt_id, stop_point=stop_point,
+            job_id=job_id, attempt_id=attempt_id, stop_point=stop_point, holder=holder,
         )
 
     async def finish_failed(
-        self, job_id: UUID, attempt_id: UUID, code: FailureCode, cause: str | None = None
+        self, job_id: UUID, attempt_id: UUID, code: FailureCode, cause: str | None = None, *,
+        holder: str | None = None,
     ) -> bool:
         return await self._finish(
             "finish_failed", "Failed", Status.FAILED, code,
-            job_id=job_id, attempt_id=attempt_id, failure_reason=code.value, cause=cause,
+            job_id=job_id, attempt_id=attempt_id, failure_reason=code.value, cause=cause, holder=holder,
         )
 
     async def finish_delivery(
@@ -227,11 +250,14 @@ class JobStore:
         outcome: Status,
         failure_reason: FailureCode | None,
         summary: str,
+        *,
+        holder: str | None = None,
     ) -> bool:
         return await self._finish(
             "finish_delivery", "Finished", outcome, failure_reason,
             job_id=job_id,
             attempt_id=attempt_id,
+            holder=holder,
             outcome=outcome.value,
             failure_reason=failure_reason.value if failure_reason else None,
             summary=summary,

@@ -137,3 +137,5 @@ class BuiltFile(BaseModel):
     final_name: str
     size: int
     sha256_hex: str
+    # The build that made it (the row's claimed_by while it holds the attempt): cutoff 2 authorizes only its file.
+    holder: str | None = None

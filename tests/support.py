@@ -6,6 +6,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 import asyncpg
@@ -52,6 +53,11 @@ async def eventually(
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} did not hold within {timeout} s; last value: {value!r}")
         await asyncio.sleep(interval)
+
+
+def built_files(work_dir: object, job_id: uuid.UUID, attempt_id: uuid.UUID) -> list[Path]:
+    """The local files the builds of one attempt wrote (one per build: <job>-<attempt>-<build token>.csv)."""
+    return sorted(Path(str(work_dir)).glob(f"{job_id}-{attempt_id}-*.csv"))
 
 
 async def delivery_evidence(admin: asyncpg.Connection, job_id: uuid.UUID) -> list[str]:

@@ -24,7 +24,7 @@ from store.db import asyncpg_dsn, make_engine
 from store.models import CancellationOutcome, FailureCode, Status
 from store.reconciliation import correct
 from tests.store_states import drive
-from tests.support import eventually
+from tests.support import built_files, eventually
 from tests.workflow_support import Harness, open_harness, run_recovery
 
 STOP_BOUND_SECONDS = 1.0
@@ -42,8 +42,8 @@ async def building(h: Harness, job_id: uuid.UUID, timeout: float = 20.0) -> uuid
     its stop watcher is listening. Returns the attempt ID."""
     row = await eventually(lambda: h.store.read_job(job_id), lambda r: r is not None and r.status is Status.RUNNING,
                            timeout=timeout, what=f"export {job_id} Running")
-    path = Path(h.settings.work_dir) / f"{job_id}-{row.attempt_id}.csv"
-    await eventually(lambda: asyncio.sleep(0, path.exists()), bool, timeout=timeout,
+    await eventually(lambda: asyncio.sleep(0, built_files(h.settings.work_dir, job_id, row.attempt_id)), bool,
+                     timeout=timeout,
                      what=f"the build of {job_id} writing")
     row = await h.store.read_job(job_id)
     assert row.status is Status.RUNNING, "the build ended before the test could stop it; slow it down"
@@ -120,7 +120,7 @@ async def test_cancel__client_cancel_stops_a_building_export_within_one_second(s
     print(f"\nTW6 client cancel: stop request committed -> Stopped in {latency * 1000:.0f} ms (DB clock)")
     assert latency < STOP_BOUND_SECONDS, latency
     events = await kinds(h.db, job_id)
-    assert events == ["Claimed", "Stopped"]
+    assert events == ["Claimed", "BuildStarted", "Stopped"]
     assert [(r["requested_by"], r["outcome"], r["found_status"]) for r in await requests_for(h.db, job_id)] == [
         ("ann@example.com", "StopRequested", "Running")]
 
@@ -157,7 +157,7 @@ async def test_cancel__second_cancel_during_the_stop_write_does_not_cut_it_off(s
     row = await h.settled(job_id)
     assert hold.temporal_cancelled, "the workflow's cancel of the build never reached it"
     assert_stopped_clean(h, row)
-    assert (await kinds(h.db, job_id)) == ["Claimed", "Stopped"]
+    assert (await kinds(h.db, job_id)) == ["Claimed", "BuildStarted", "Stopped"]
     # The build recorded its own stop: the workflow needed no stop_attempt of its own.
     assert "stop_attempt" not in await activity_names(h, job_id)
 
@@ -232,7 +232,7 @@ async def test_cancel__row_write_alone_stops_the_build_through_the_notification(
     assert not [e for e in history.events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
                 and e.workflow_execution_signaled_event_attributes.signal_name == "cancel"]
     assert "record_cancellation" not in await activity_names(h, job_id)
-    assert (await kinds(h.db, job_id)) == ["Claimed", "Stopped"]
+    assert (await kinds(h.db, job_id)) == ["Claimed", "BuildStarted", "Stopped"]
 
 
 @pytest.mark.spec("TW6")
@@ -287,7 +287,7 @@ async def test_temporal_cancel__of_a_building_export_is_one_recorded_stop_reques
     latency = await stop_latency(h.db, job_id, recorded[0]["id"])
     print(f"\nTW7 Temporal cancel: stop request committed -> Stopped in {latency * 1000:.0f} ms (DB clock)")
     assert latency < STOP_BOUND_SECONDS, latency
-    assert (await kinds(h.db, job_id)) == ["Claimed", "Stopped"]
+    assert (await kinds(h.db, job_id)) == ["Claimed", "BuildStarted", "Stopped"]
     assert (await handle.describe()).status is WorkflowExecutionStatus.COMPLETED
 
 
@@ -338,7 +338,7 @@ async def test_temporal_terminate__mid_build_is_a_crash_that_recovery_resolves(t
         lambda r: r["expired"] or r["status"] != "Running", timeout=10, interval=0.1,
         what="the terminated attempt's lease expired")
     assert (expired["status"], expired["attempt_id"]) == ("Running", first_attempt)
-    assert await kinds(h.db, job_id) == ["Claimed"]
+    assert await kinds(h.db, job_id) == ["Claimed", "BuildStarted"]
     assert await h.db.admin.fetchval("SELECT count(*) FROM cancellation_requests") == 0
 
     report = await run_recovery(h.client, h.settings)
@@ -348,7 +348,8 @@ async def test_temporal_terminate__mid_build_is_a_crash_that_recovery_resolves(t
     assert row.status is Status.COMPLETED and row.attempt_count == 2 and row.attempt_id != first_attempt
     assert_partner_holds(h, row)
     events = await kinds(h.db, job_id)
-    assert events[:3] == ["Claimed", "RequeuedByRecovery", "Claimed"] and events[-1] == "Finished"
+    assert events[:5] == ["Claimed", "BuildStarted", "RequeuedByRecovery", "Claimed", "BuildStarted"]
+    assert events[-1] == "Finished"
     assert "Stopped" not in events
     assert (await handle.describe()).run_id != first_run
     assert not list(Path(h.settings.work_dir).glob("*.csv"))

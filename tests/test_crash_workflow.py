@@ -220,9 +220,13 @@ async def test_worker_killed_mid_build__resumed_elsewhere_under_the_same_attempt
 
     # The same attempt, resumed: no takeover, no second claim.
     assert row.status is Status.COMPLETED
-    assert (row.attempt_id, row.attempt_count, row.claimed_by) == (attempt_id, 1, claimed_by)
+    assert (row.attempt_id, row.attempt_count) == (attempt_id, 1)
     evts = await events(h, job_id)
-    assert kinds_of(evts, attempt_id) == ["Claimed", "DeliveryAuthorized", "DeliveryEvidence", "Finished"]
+    assert kinds_of(evts, attempt_id) == ["Claimed", "BuildStarted", "BuildStarted", "DeliveryAuthorized",
+                                          "DeliveryEvidence", "Finished"]
+    # The resumed build took the attempt's build slot from the dead one, and the events say which worker did.
+    builds = [e["worker_id"] for e in evts if e["kind"] == "BuildStarted"]
+    assert builds[0] == claimed_by and builds[1] == row.claimed_by != claimed_by
     assert {e["attempt_id"] for e in evts} == {attempt_id}
     # Delivered by worker B: the evidence carries the worker that uploaded, not the one that claimed.
     uploaders = {e["observed_by"].split("/")[0] for e in evts if e["kind"] == "DeliveryEvidence"}
@@ -262,8 +266,9 @@ async def test_worker_killed_mid_build__after_a_takeover_the_resumed_build_write
     assert second_attempt not in (None, first_attempt)
     evts = await events(h, job_id)
     # The old attempt wrote nothing after the takeover; the new one ran once, to its end.
-    assert kinds_of(evts, first_attempt) == ["Claimed", "RequeuedByRecovery"]
-    assert kinds_of(evts, second_attempt) == ["Claimed", "DeliveryAuthorized", "DeliveryEvidence", "Finished"]
+    assert kinds_of(evts, first_attempt) == ["Claimed", "BuildStarted", "RequeuedByRecovery"]
+    assert kinds_of(evts, second_attempt) == ["Claimed", "BuildStarted", "DeliveryAuthorized", "DeliveryEvidence",
+                                              "Finished"]
     assert [e["kind"] for e in evts if e["kind"] in ("Claimed", "Finished")] == ["Claimed", "Claimed", "Finished"]
     assert partner_files(h) == [row.final_name]
 
@@ -314,9 +319,9 @@ async def test_job_that_kills_its_worker_every_attempt_ends_failed_at_the_cap(db
         Status.FAILED, FailureCode.ATTEMPTS_EXHAUSTED, 2, attempts[1])
     evts = await events(h, job_id)
     assert len(set(attempts)) == 2
-    assert kinds_of(evts, attempts[0]) == ["Claimed", "RequeuedByRecovery"]
-    assert kinds_of(evts, attempts[1]) == ["Claimed", "AttemptsExhausted"]
-    assert len(evts) == 4
+    assert kinds_of(evts, attempts[0]) == ["Claimed", "BuildStarted", "RequeuedByRecovery"]
+    assert kinds_of(evts, attempts[1]) == ["Claimed", "BuildStarted", "AttemptsExhausted"]
+    assert len(evts) == 6
     assert partner_files(h) == []
     runs = await activity_runs(h, job_id)
     assert len(named(runs, "claim")) == 2 and not named(runs, "authorize_delivery")
@@ -358,7 +363,7 @@ async def test_crash_after_receipt_before_terminal_write__recovery_records_compl
     evts = await events(h, job_id)
     # The attempt's receipt, then recovery's own listing (evidence both), then the resolution from them.
     assert kinds_of(evts, row.attempt_id) == [
-        "Claimed", "DeliveryAuthorized", "DeliveryEvidence", "ResolvedByRecovery"]
+        "Claimed", "BuildStarted", "DeliveryAuthorized", "DeliveryEvidence", "ResolvedByRecovery"]
     resolved = [e for e in evts if e["kind"] == "ResolvedByRecovery"]
     assert resolved[0]["detail"].startswith("Completed: receipt appended by the attempt")
     assert "Finished" not in [e["kind"] for e in evts]
@@ -462,8 +467,9 @@ async def test_claim_lost_after_commit_and_reread_refused__wakeup_finds_running_
 
     assert row.status is Status.COMPLETED and row.attempt_count == 2 and row.attempt_id != first_attempt
     evts = await events(h, job_id)
-    assert kinds_of(evts, first_attempt) == ["Claimed", "RequeuedByRecovery"]
-    assert kinds_of(evts, row.attempt_id) == ["Claimed", "DeliveryAuthorized", "DeliveryEvidence", "Finished"]
+    assert kinds_of(evts, first_attempt) == ["Claimed", "RequeuedByRecovery"]  # it never built
+    assert kinds_of(evts, row.attempt_id) == ["Claimed", "BuildStarted", "DeliveryAuthorized", "DeliveryEvidence",
+                                              "Finished"]
     assert partner_files(h) == [row.final_name]
     runs = await activity_runs(h, job_id)
     assert [c.result.result for c in named(runs, "claim")] == [ClaimResult.UNKNOWN, ClaimResult.CLAIMED]
@@ -492,6 +498,6 @@ async def test_stop_while_the_builds_worker_is_dead__ends_stopped_and_the_workfl
         row = await h.settled(job_id)  # also asserts the workflow's result equals the row's status
     assert row.status is Status.STOPPED and row.stop_request_id == stop.request_id
     kinds = [e["kind"] for e in await events(h, job_id)]
-    assert kinds == ["Claimed", "Stopped"]  # recorded by the workflow's stop, not left to recovery
+    assert kinds == ["Claimed", "BuildStarted", "Stopped"]  # recorded by the workflow's stop, not by recovery
     assert partner_files(h) == []
     assert [b.outcome for b in named(await activity_runs(h, job_id), "build")] == ["timed_out"]

@@ -27,7 +27,7 @@ from activities.checkpoints import AFTER_RECEIPT, BEFORE_CUTOFF_2, BUILD_STARTED
 from starter.client import ExportsClient
 from store.models import AuthorizationResult, Status
 from tests.faults import PgFaultProxy, fault_proxy
-from tests.support import eventually
+from tests.support import built_files, eventually
 from tests.workflow_support import Harness, open_harness, run_recovery
 
 BOUND = 30.0  # seconds: no single wait here may take longer
@@ -160,6 +160,20 @@ def watch(stack: AsyncExitStack, h: Harness, name: str) -> Calls:
     return calls
 
 
+async def pause_keeper(renewals: Calls) -> asyncio.Event:
+    """The worker pauses: its lease keeper's next scheduled renewal hangs in flight (serialized renewals queue
+    behind it) until the returned event is set."""
+    gate = renewals.arm_gate()
+    await asyncio.wait_for(renewals.at_gate.wait(), BOUND)
+    assert renewals.calls[-1]["task"].startswith("lease-")
+    return gate
+
+
+async def refused_once(cutoffs: Calls) -> None:
+    await eventually(lambda: asyncio.sleep(0, [c for c in cutoffs.calls if "end" in c]), bool, timeout=BOUND,
+                     what="cutoff 2 answered")
+
+
 async def open_proxy(stack: AsyncExitStack, db) -> PgFaultProxy:
     return await stack.enter_async_context(fault_proxy(db.server.socket_dir))
 
@@ -234,8 +248,8 @@ def assert_partner_holds_only(h: Harness, row) -> None:
     assert list((h.partner.root / "incoming-tmp").iterdir()) == []
 
 
-def local_file(h: Harness, job_id: uuid.UUID, attempt_id: uuid.UUID) -> Path:
-    return Path(h.settings.work_dir) / f"{job_id}-{attempt_id}.csv"
+def local_files(h: Harness, job_id: uuid.UUID, attempt_id: uuid.UUID) -> list[Path]:
+    return built_files(h.settings.work_dir, job_id, attempt_id)
 
 
 async def assert_requeued_job_completes_under_a_new_attempt(h: Harness, job_id: uuid.UUID,
@@ -243,7 +257,7 @@ async def assert_requeued_job_completes_under_a_new_attempt(h: Harness, job_id: 
     row = await h.settled(job_id)
     assert row.status is Status.COMPLETED and row.attempt_count == 2 and row.attempt_id != old
     found = await events(h.db, job_id)
-    assert kinds(found, row.attempt_id)[:2] == ["Claimed", "DeliveryAuthorized"]
+    assert kinds(found, row.attempt_id)[:3] == ["Claimed", "BuildStarted", "DeliveryAuthorized"]
     assert kinds(found, row.attempt_id)[-1] == "Finished"
     assert_partner_holds_only(h, row)
     delivers = [r for name, r in await history(h, job_id) if name == "deliver"]
@@ -312,12 +326,15 @@ async def test_attempt_paused_past_its_lease_is_refused_at_cutoff_2_renews_and_d
         job_id = await h.create()
         attempt_id = await first_attempt(db, job_id)
         await hold.wait_held()
+        paused = await pause_keeper(renewals)
         await wait_expired(db, job_id)
         # Paused past its lease, and nobody took over: the row is still this attempt's, Running, expired.
         state = await lease_state(db, job_id)
         assert (state["status"], state["attempt_id"], state["expired"]) == ("Running", attempt_id, True)
         renewals_before = len(renewals.calls)
         hold.release.set()
+        await refused_once(cutoffs)  # its renewal now waits behind the paused keeper's
+        paused.set()
 
         row = await h.settled(job_id)
         # Refused once for the lapsed lease, renewed (no takeover had committed), then authorized.
@@ -342,13 +359,13 @@ async def test_after_a_takeover_the_paused_attempts_renewal_changes_nothing_and_
         job_id = await h.create()
         old = await first_attempt(db, job_id)
         await hold.wait_held()
+        gate = await pause_keeper(renewals)
         await wait_expired(db, job_id)
-        # Released: cutoff 2 refuses the lapsed lease; its renewal is put in flight, and recovery's takeover
-        # commits before the renewal reaches the database.
+        # Released: cutoff 2 refuses the lapsed lease; its renewal waits behind the paused keeper's, and
+        # recovery's takeover commits before either reaches the database.
         renewals_before = len(renewals.calls)
-        gate = renewals.arm_gate()
         hold.release.set()
-        await asyncio.wait_for(renewals.at_gate.wait(), BOUND)
+        await refused_once(cutoffs)
         report = await run_recovery(h.client, h.settings)
         assert [t.recorded for t in report.taken_over if t.job_id == job_id] == ["RequeuedByRecovery"]
         taken_over_at = next(e["recorded_at"] for e in await events(db, job_id) if e["kind"] == "RequeuedByRecovery")
@@ -359,9 +376,9 @@ async def test_after_a_takeover_the_paused_attempts_renewal_changes_nothing_and_
         assert [c["result"] for c in renewals.calls[renewals_before:] if old in c["args"]] == [False]
         assert cutoffs.results(old) == [AuthorizationResult.LEASE_LAPSED]
         found = await events(db, job_id)
-        assert kinds(found, old) == ["Claimed", "RequeuedByRecovery"]
+        assert kinds(found, old) == ["Claimed", "BuildStarted", "RequeuedByRecovery"]
         assert all(e["attempt_id"] == new for e in found if e["recorded_at"] > taken_over_at)
-        assert not local_file(h, job_id, old).exists()
+        assert not local_files(h, job_id, old)
         names = [name for name, _ in await history(h, job_id)]
         assert names.count("authorize_delivery") == 2 and names.count("deliver") == 1  # the old one never sent
 
@@ -512,11 +529,13 @@ async def test_paused_attempt_after_takeover__its_authorization_matches_nothing_
         job_id = await h.create()
         old = await first_attempt(db, job_id)
         await hold.wait_held()
+        paused = await pause_keeper(renewals)
         await wait_expired(db, job_id)
         report = await run_recovery(h.client, h.settings)
         assert [t.recorded for t in report.taken_over if t.job_id == job_id] == ["RequeuedByRecovery"]
         taken = await events(db, job_id)
         renewals_before = len(renewals.calls)
+        paused.set()  # the keeper's renewal in flight changes nothing, and the keeper stops
         hold.release.set()
 
         await assert_requeued_job_completes_under_a_new_attempt(h, job_id, old)
@@ -524,8 +543,9 @@ async def test_paused_attempt_after_takeover__its_authorization_matches_nothing_
         assert not [c for c in renewals.calls[renewals_before:] if old in c["args"]]  # not the owner: no renewal
         assert stops.results(old) == [] and failures.results(old) == []
         found = await events(db, job_id)
-        assert found[: len(taken)] == taken and kinds(found, old) == ["Claimed", "RequeuedByRecovery"]
-        assert not local_file(h, job_id, old).exists()
+        assert found[: len(taken)] == taken and kinds(found, old) == ["Claimed", "BuildStarted",
+                                                                      "RequeuedByRecovery"]
+        assert not local_files(h, job_id, old)
 
 
 @pytest.mark.spec("PA1")
@@ -558,8 +578,9 @@ async def test_paused_build_after_takeover__its_error_path_records_nothing(db, s
         assert builds[0]["ended"] == "LostOwnership"
         assert stops.results(old) == [] and failures.results(old) == []
         found = await events(db, job_id)
-        assert found[: len(taken)] == taken and kinds(found, old) == ["Claimed", "RequeuedByRecovery"]
-        assert not local_file(h, job_id, old).exists()
+        assert found[: len(taken)] == taken and kinds(found, old) == ["Claimed", "BuildStarted",
+                                                                      "RequeuedByRecovery"]
+        assert not local_files(h, job_id, old)
 
 
 # --- RN: renewal ----------------------------------------------------------------------------------------------------

@@ -327,13 +327,13 @@ async def test_terminal_write_lost_and_reread_refused__false_without_raising(db,
 async def test_constraint_violations_are_raised_as_domain_errors_not_uncertain(db, store, proxy, faulty, caplog):
     job_id = await queued_job(db, store)
     attempt_id = uuid.uuid4()
-    # An event already recorded for this attempt makes the claim's insert, and so the whole statement, fail.
+    # An event already recorded for this attempt makes the claim's insert, and so the whole statement, fail: the
+    # attempt ID is spent (a retry after a requeue), which is a definite answer, Lost (LK2), and nothing changed.
     await db.admin.execute(
         "INSERT INTO export_attempt_events (job_id, attempt_id, kind, recorded_at) "
         "VALUES ($1, $2, 'Claimed', clock_timestamp())", job_id, attempt_id)
     with caplog.at_level(logging.WARNING, logger="store.jobs"):
-        with pytest.raises(errors.TransitionAlreadyRecorded):
-            await bounded(faulty.claim(job_id, 1, attempt_id, "worker-a"))
+        assert await bounded(faulty.claim(job_id, 1, attempt_id, "worker-a")) is ClaimResult.LOST
         assert (await job_row(db, job_id))["status"] == "Queued"
 
         running_id, running_attempt = await running_job(db, store)

@@ -202,7 +202,7 @@ async def test_authorization_holding_the_row_makes_the_requeue_wait_then_match_n
     file = built(job)
     async with held(app_engine, "authorize_delivery", job_id=job.id, tenant_id=job.tenant_id,
                     attempt_id=attempt_id, replaces_job_id=None, final_name=file.final_name, length=file.size,
-                    sha256=bytes.fromhex(file.sha256_hex)) as (conn, pid):
+                    sha256=bytes.fromhex(file.sha256_hex), holder=None, lease_seconds=5.0) as (conn, pid):
         await eventually(lambda: lease_current(db, job.id), lambda current: current is False, timeout=WAIT,
                          what="lease expiry")
         requeue = asyncio.create_task(recovery.requeue(job.id, attempt_id))
@@ -266,7 +266,7 @@ async def test_uncommitted_renewal_makes_the_takeover_wait_and_reevaluate(db, st
     job, attempt_id = await running(store, tenant)
     await expire(db, job.id)
     [candidate] = await recovery.nominate(limit=10)
-    async with held(app_engine, "renew_lease", job_id=job.id, attempt_id=attempt_id,
+    async with held(app_engine, "renew_lease", job_id=job.id, attempt_id=attempt_id, holder=None,
                     lease_seconds=5.0) as (conn, pid):
         takeover = asyncio.create_task(recovery.take_over_running(candidate, RUN))
         await blocked_by(db, pid, "RequeuedByRecovery")

@@ -232,14 +232,15 @@ class ExportWorkflow:
 
     async def _build_file(self, attempt: AttemptInput, queue: str, lease: timedelta) -> BuildOutput | None:
         """Build on the claiming worker; if that worker is lost (it never starts the build, or stops
-        heartbeating), resume on any worker under the same attempt. Each build first renews the lease, which
-        fails once a takeover has committed, so a resumed build never competes with recovery."""
+        heartbeating), resume on any worker under the same attempt. Each build first takes the attempt's build
+        slot, which fails once a takeover has committed (so a resumed build never competes with recovery) and
+        fences any earlier build of the attempt (so a paused one that wakes up writes nothing)."""
         for resumption in range(_BUILD_RESUMPTIONS + 1):
             if self._stop_seen:
                 return await self._stop_without_build(attempt)
             self._build = workflow.start_activity(
                 "build",
-                attempt,
+                attempt.model_copy(update={"resumption": resumption}),
                 result_type=BuildOutput,
                 task_queue=queue,
                 start_to_close_timeout=timedelta(hours=6),

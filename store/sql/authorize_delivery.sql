@@ -1,6 +1,7 @@
--- Cutoff 2: Running -> Delivering for this attempt, only with no stop request and a current lease; for a
--- replacement, also only while its original is not Completed. FOR SHARE makes a correction of the original and
--- this statement wait for each other, whichever commits first.
+-- Cutoff 2: Running -> Delivering for this attempt and the build that made the file, only with no stop request and
+-- a current lease, which it renews, so the upload starts with a full one; for a replacement, also only while its
+-- original is not Completed. FOR SHARE makes a correction of the original and this statement wait for each
+-- other, whichever commits first.
 WITH original_open AS (
     SELECT 1 FROM export_jobs
     WHERE tenant_id = :tenant_id AND id = CAST(:replaces_job_id AS uuid) AND status <> 'Completed'
@@ -9,8 +10,10 @@ authorized AS (
     UPDATE export_jobs
     SET status = 'Delivering',
         expected_file_name = :final_name, expected_file_bytes = :length, expected_file_sha256 = :sha256,
-        delivery_authorized_at = clock_timestamp()
+        delivery_authorized_at = clock_timestamp(),
+        lease_expires_at = clock_timestamp() + make_interval(secs => :lease_seconds)
     WHERE id = :job_id AND attempt_id = :attempt_id AND status = 'Running'
+      AND claimed_by = coalesce(CAST(:holder AS text), claimed_by)
       AND stop_request_id IS NULL
       AND lease_expires_at > clock_timestamp()
       AND (CAST(:replaces_job_id AS uuid) IS NULL OR EXISTS (SELECT 1 FROM original_open))

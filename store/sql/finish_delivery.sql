@@ -4,6 +4,7 @@ WITH finished AS (
     UPDATE export_jobs
     SET status = :outcome, failure_reason = CAST(:failure_reason AS text), lease_expires_at = NULL
     WHERE id = :job_id AND attempt_id = :attempt_id AND status = 'Delivering'
+      AND claimed_by = coalesce(CAST(:holder AS text), claimed_by)
       AND :outcome IN ('Completed', 'Failed', 'OutcomeUnknown')
     RETURNING id, attempt_id, claimed_by, status)
 INSERT INTO export_attempt_events (job_id, attempt_id, kind, worker_id, detail, recorded_at)

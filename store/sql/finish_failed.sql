@@ -1,8 +1,10 @@
--- Running -> Failed for this attempt, with its failure code on the row and the cause in the event.
+-- Running -> Failed for this attempt and the build that holds it, with its failure code on the row and the cause
+-- in the event.
 WITH failed AS (
     UPDATE export_jobs
     SET status = 'Failed', failure_reason = :failure_reason, lease_expires_at = NULL
     WHERE id = :job_id AND attempt_id = :attempt_id AND status = 'Running'
+      AND claimed_by = coalesce(CAST(:holder AS text), claimed_by)
     RETURNING id, attempt_id, claimed_by, failure_reason)
 INSERT INTO export_attempt_events (job_id, attempt_id, kind, worker_id, detail, recorded_at)
 SELECT id, attempt_id, 'Failed', claimed_by, failure_reason || coalesce(': ' || CAST(:cause AS text), ''),

@@ -1,5 +1,5 @@
 -- State and ownership read together: whether an uncertain claim or cutoff 2 committed, and why cutoff 2 was refused.
-SELECT j.status, j.attempt_id, j.stop_request_id IS NOT NULL AS stop_recorded,
+SELECT j.status, j.attempt_id, j.claimed_by, j.stop_request_id IS NOT NULL AS stop_recorded,
        j.lease_expires_at > clock_timestamp() AS lease_current,
        o.status AS original_status
 FROM export_jobs j
