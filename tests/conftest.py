@@ -103,6 +103,16 @@ async def app_engine(db: TestDatabase) -> AsyncIterator[AsyncEngine]:
 
 
 @pytest.fixture
+async def reconciler(db: TestDatabase) -> AsyncIterator[AsyncEngine]:
+    """The reconciliation role's engine: reconciliations and corrections run as it, and only as it."""
+    engine = make_engine(db.url("reconciler"))
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
+
+
+@pytest.fixture
 def store(app_engine: AsyncEngine, db: TestDatabase) -> JobStore:
     settings = db.settings()
     return JobStore(

@@ -101,12 +101,12 @@ async def test_occupied_final_name__original_fails_final_name_occupied_with_noth
 
 
 @pytest.mark.spec("IU3")
-async def test_interrupted_just_after_rename__outcome_unknown_until_reconciled(harness: Harness):
+async def test_interrupted_just_after_rename__outcome_unknown_until_reconciled(harness: Harness, reconciler):
     h = harness
     original, content = await unknown_original(h)
     row = await h.store.read_job(original)
     assert hashlib.sha256(content).digest() == row.expected_file_sha256  # the file may well be there...
-    assert await reconcile(h.store.engine, tenant_id=h.tenant_id, job_id=original, attempt_id=row.attempt_id,
+    assert await reconcile(reconciler, tenant_id=h.tenant_id, job_id=original, attempt_id=row.attempt_id,
                            resolution=Status.COMPLETED, reconciled_by="ops@example",
                            evidence_summary="partner listing and checksum match")  # ...but only evidence says so
     assert (await h.store.read_job(original)).status is Status.COMPLETED

@@ -50,9 +50,9 @@ async def resolved_unknown(db, store) -> tuple[uuid.UUID, uuid.UUID, uuid.UUID]:
 
 @pytest.mark.spec("RC1")
 @pytest.mark.parametrize("resolution", [Status.COMPLETED, Status.FAILED])
-async def test_reconcile__outcome_unknown_settles_and_both_events_survive(db, store, resolution):
+async def test_reconcile__outcome_unknown_settles_and_both_events_survive(db, store, reconciler, resolution):
     tenant_id, job_id, attempt = await resolved_unknown(db, store)
-    assert await reconcile(store.engine, tenant_id=tenant_id, job_id=job_id, attempt_id=attempt,
+    assert await reconcile(reconciler, tenant_id=tenant_id, job_id=job_id, attempt_id=attempt,
                            resolution=resolution, reconciled_by="ops@example", evidence_summary="partner listing")
     row = await store.read_job(job_id)
     expected_code = FailureCode.NOT_DELIVERED if resolution is Status.FAILED else None
@@ -63,12 +63,12 @@ async def test_reconcile__outcome_unknown_settles_and_both_events_survive(db, st
 
 
 @pytest.mark.spec("RC2")
-async def test_reconcile__a_second_reconciled_event_is_refused(db, store):
+async def test_reconcile__a_second_reconciled_event_is_refused(db, store, reconciler):
     tenant_id, job_id, attempt = await resolved_unknown(db, store)
-    assert await reconcile(store.engine, tenant_id=tenant_id, job_id=job_id, attempt_id=attempt,
+    assert await reconcile(reconciler, tenant_id=tenant_id, job_id=job_id, attempt_id=attempt,
                            resolution=Status.COMPLETED, reconciled_by="ops", evidence_summary="listing")
     # Through the statement: the row is no longer OutcomeUnknown, so nothing matches.
-    assert not await reconcile(store.engine, tenant_id=tenant_id, job_id=job_id, attempt_id=attempt,
+    assert not await reconcile(reconciler, tenant_id=tenant_id, job_id=job_id, attempt_id=attempt,
                                resolution=Status.FAILED, reconciled_by="ops", evidence_summary="second look")
     # Directly: the unique index refuses a second Reconciled event for the attempt.
     with pytest.raises(asyncpg.UniqueViolationError) as refused:
