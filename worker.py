@@ -23,7 +23,7 @@ from temporalio.worker import Worker
 from activities.checkpoints import checkpoints_for
 from activities.exports import ExportActivities
 from activities.recovery import RecoveryActivities
-from activities.scavenger import scavenge
+from activities.scavenger import keep_scavenging, scavenge
 from starter.dispatcher import OutboxDispatcher
 from starter.temporal import connect_temporal
 from store.db import asyncpg_dsn, make_engine
@@ -31,7 +31,7 @@ from store.jobs import JobStore
 from store.recovery import Recovery
 from store.settings import Settings, get_settings
 from workflows.export import ExportWorkflow
-from workflows.recovery import RecoveryWorkflow, SweeperWorkflow
+from workflows.recovery import PartnerSweepWorkflow, RecoveryWorkflow, SweeperWorkflow
 
 log = logging.getLogger("exports.worker")
 
@@ -62,7 +62,7 @@ async def running_worker(
     shared = Worker(
         client,
         task_queue=settings.task_queue,
-        workflows=[ExportWorkflow, RecoveryWorkflow, SweeperWorkflow],
+        workflows=[ExportWorkflow, RecoveryWorkflow, SweeperWorkflow, PartnerSweepWorkflow],
         activities=activities.all() + recovery.all(),
         max_heartbeat_throttle_interval=throttle,
         default_heartbeat_throttle_interval=throttle,
@@ -90,10 +90,15 @@ async def running_worker(
                     poll_seconds=settings.dispatcher_poll_seconds,
                 )
                 dispatcher_task = asyncio.create_task(dispatcher.run(stop), name="outbox-dispatcher")
+            scavenger = asyncio.create_task(
+                keep_scavenging(store, Path(settings.work_dir), settings.scavenge_interval_seconds),
+                name="scavenger")
             log.info("worker %s polling %s and %s", worker_id, settings.task_queue, own_queue)
             try:
                 yield activities
             finally:
+                scavenger.cancel()
+                await asyncio.gather(scavenger, return_exceptions=True)
                 stop.set()
                 if dispatcher_task is not None:
                     await dispatcher_task

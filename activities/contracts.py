@@ -156,6 +156,21 @@ class RecoveryReport(BaseModel):
     taken_over: list[TakeoverOutput]
 
 
+class DestinationRef(BaseModel):
+    tenant_id: UUID
+    destination_id: UUID
+
+
+class PartnerSweepOutput(BaseModel):
+    """What a sweep of one partner's temporary directory did; `error` when it could not look."""
+
+    destination_id: UUID
+    removed: list[str] = []
+    kept: list[str] = []
+    failed: list[str] = []
+    error: str | None = None
+
+
 class SweepInput(BaseModel):
     threshold_seconds: float = Field(gt=0)
     batch: int = Field(default=500, ge=1)

@@ -375,7 +375,7 @@ class ExportActivities:
                         partner.DestinationConfig.from_row(destination),
                         file.path,
                         file.final_name,
-                        f".{file.final_name}.{attempt_id}.part",
+                        partner.temp_file_name(file.final_name, attempt_id),
                         record_evidence=record_evidence,
                         on_progress=lambda sent, total: progress.update(sent=sent),
                         throttle_bytes_per_second=self.settings.upload_throttle_bytes_per_second,

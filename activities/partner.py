@@ -14,9 +14,12 @@ import hashlib
 import logging
 import os
 import posixpath
+import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, Literal
+from uuid import UUID
 
 import asyncssh
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -56,6 +59,8 @@ class PartnerContract(BaseModel):
     hash_evidence: Literal["none", "read_back", "check_file"] = "none"
     # Where the partner writes <final name>.ack holding the SHA-256 (hex) of the file it processed.
     acknowledgment_dir: str | None = None
+    # After how long a temporary file of ours may be removed from temp_dir (the partner ignores it meanwhile).
+    temp_file_max_age_seconds: int = 604800
 
 
 class Replacement(BaseModel):
@@ -88,7 +93,8 @@ class DestinationConfig(BaseModel):
             temp_dir=row["temp_dir"], host_key=row["host_key"], credential_ref=row["credential_ref"],
             contract=PartnerContract(name_and_size_identify=row["name_and_size_identify"],
                                      hash_evidence=row["hash_evidence"],
-                                     acknowledgment_dir=row["acknowledgment_dir"]),
+                                     acknowledgment_dir=row["acknowledgment_dir"],
+                                     temp_file_max_age_seconds=row["temp_file_max_age_seconds"]),
         )
 
     @model_validator(mode="after")
@@ -239,6 +245,41 @@ async def look_at_final(dest: DestinationConfig, final_name: str, *, timeout: fl
                 error = _describe(exc)
             return outcomes.FinalLook(exists=True, size=listing.size, sha256=sha256, sha256_error=error,
                                       acknowledged_sha256=acknowledged)
+
+
+# Our temporary names: ".<final name>.<attempt ID>.part" (see the deliver activity).
+_TEMP_NAME = re.compile(r"^\.(?P<final>.+)\.(?P<attempt>[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\.part$")
+
+
+def temp_file_name(final_name: str, attempt_id: UUID) -> str:
+    return f".{final_name}.{attempt_id}.part"
+
+
+async def sweep_temp_files(dest: DestinationConfig, *, is_live: Callable[[UUID], Awaitable[bool]],
+                           timeout: float = 30.0) -> dict[str, list[str]]:
+    """Remove our temporary files in the destination's temp_dir that are older than the partner's contract allows
+    (recovery cannot tell a dead worker from a paused one, so only age can) and whose attempt is not live
+    (`is_live`: still Delivering). Files of other names are never touched.
+    Returns the names removed, kept (too young or live), and the removals that failed, with why."""
+    found: dict[str, list[str]] = {"removed": [], "kept": [], "failed": []}
+    async with asyncio.timeout(timeout):
+        async with connect(dest, connect_timeout=timeout) as sftp:
+            names = await sftp.readdir(dest.temp_dir)
+            cutoff = time.time() - dest.contract.temp_file_max_age_seconds
+            for entry in names:
+                match = _TEMP_NAME.match(entry.filename)
+                if match is None:
+                    continue
+                mtime = entry.attrs.mtime
+                if mtime is None or mtime > cutoff or await is_live(UUID(match["attempt"])):
+                    found["kept"].append(entry.filename)
+                    continue
+                try:
+                    await sftp.remove(posixpath.join(dest.temp_dir, entry.filename))
+                    found["removed"].append(entry.filename)
+                except (asyncssh.Error, OSError) as exc:
+                    found["failed"].append(f"{entry.filename}: {_describe(exc)}")
+    return found
 
 
 async def _content_sha256(sftp: asyncssh.SFTPClient, dest: DestinationConfig, path: str,

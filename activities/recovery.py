@@ -13,7 +13,15 @@ from temporalio.client import Client
 
 from activities import evidence, partner
 from activities.outcomes import FinalLook
-from activities.contracts import Candidate, RecoveryInput, SweepInput, TakeoverOutput, Wake
+from activities.contracts import (
+    Candidate,
+    DestinationRef,
+    PartnerSweepOutput,
+    RecoveryInput,
+    SweepInput,
+    TakeoverOutput,
+    Wake,
+)
 from store.jobs import JobStore
 from store.models import JobRow, Status
 from store.recovery import Candidate as StoreCandidate
@@ -30,7 +38,8 @@ class RecoveryActivities:
         self._client = client
 
     def all(self) -> list[Any]:
-        return [self.nominate_expired, self.take_over, self.sweep]
+        return [self.nominate_expired, self.take_over, self.sweep, self.list_destinations,
+                self.sweep_partner_temp_files]
 
     @activity.defn
     async def nominate_expired(self, request: RecoveryInput) -> list[Candidate]:
@@ -90,3 +99,28 @@ class RecoveryActivities:
     async def sweep(self, request: SweepInput) -> int:
         return await sweep_all(self.store.engine, threshold_seconds=request.threshold_seconds,
                                batch=request.batch)
+
+    @activity.defn
+    async def list_destinations(self) -> list[DestinationRef]:
+        return [DestinationRef(tenant_id=d["tenant_id"], destination_id=d["id"])
+                for d in await self.store.read_destinations()]
+
+    @activity.defn
+    async def sweep_partner_temp_files(self, ref: DestinationRef) -> PartnerSweepOutput:
+        """Our temporary files at one partner that are older than its contract allows, of attempts no longer
+        Delivering: removed. A partner that cannot be reached is reported, and swept at the next run."""
+        row = await self.store.read_destination(ref.tenant_id, ref.destination_id)
+        if row is None:
+            return PartnerSweepOutput(destination_id=ref.destination_id, error="no such destination")
+        try:
+            found = await partner.sweep_temp_files(partner.DestinationConfig.from_row(row),
+                                                   is_live=self.store.attempt_delivering)
+        except Exception as exc:
+            log.warning("could not sweep the temporary files of destination %s: %s", ref.destination_id, exc)
+            return PartnerSweepOutput(destination_id=ref.destination_id, error=f"{type(exc).__name__}: {exc}"[:300])
+        for name in found["removed"]:
+            log.info("removed %s from destination %s: older than its contract allows, its attempt ended",
+                     name, ref.destination_id)
+        for failure in found["failed"]:
+            log.warning("could not remove a temporary file at destination %s: %s", ref.destination_id, failure)
+        return PartnerSweepOutput(destination_id=ref.destination_id, **found)

@@ -1,8 +1,10 @@
 """The scavenger: built files are contact data, so any a worker left behind (it died between the build and the
-delivery, or a removal failed) are removed once their attempt can no longer use them. Run when a worker starts."""
+delivery, a removal failed, a fenced build's, a handed-over lease nobody adopted) are removed once their attempt
+can no longer use them. Run when a worker starts and then every `scavenge_interval_seconds` while it runs."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import uuid
@@ -36,3 +38,14 @@ async def scavenge(store: JobStore, work_dir: Path) -> list[Path]:
             log.info("scavenged %s: its attempt can no longer deliver it", path.name)
             removed.append(path)
     return removed
+
+
+async def keep_scavenging(store: JobStore, work_dir: Path, every: float) -> None:
+    """Scavenge every `every` seconds (the worker scavenged once as it started), until cancelled. A failed pass
+    (the database is away) is logged and tried again at the next."""
+    while True:
+        await asyncio.sleep(every)
+        try:
+            await scavenge(store, work_dir)
+        except Exception as exc:
+            log.warning("scavenging %s failed, trying again in %.0f s: %s", work_dir, every, exc)

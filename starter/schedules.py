@@ -1,4 +1,5 @@
-"""The Temporal Schedules that run recovery and the sweeper. Installing them again updates them in place."""
+"""The Temporal Schedules that run recovery, the sweeper and the sweep of partners' temporary files. Installing
+them again updates them in place."""
 
 from __future__ import annotations
 
@@ -22,12 +23,14 @@ from store.settings import Settings
 
 RECOVERY_SCHEDULE = "exports-recovery"
 SWEEPER_SCHEDULE = "exports-sweeper"
+PARTNER_SWEEP_SCHEDULE = "exports-partner-sweep"
 
 
 def schedules(settings: Settings) -> dict[str, Schedule]:
     def every(seconds: float, workflow: str, arg: object, workflow_id: str) -> Schedule:
         return Schedule(
-            action=ScheduleActionStartWorkflow(workflow, arg, id=workflow_id, task_queue=settings.task_queue),
+            action=ScheduleActionStartWorkflow(workflow, args=[] if arg is None else [arg], id=workflow_id,
+                                               task_queue=settings.task_queue),
             spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=seconds))]),
             # Never two at once: a run still going when the next is due makes that one skip.
             policy=SchedulePolicy(overlap=ScheduleOverlapPolicy.SKIP),
@@ -39,6 +42,8 @@ def schedules(settings: Settings) -> dict[str, Schedule]:
         SWEEPER_SCHEDULE: every(settings.sweeper_interval_seconds, "SweeperWorkflow",
                                 SweepInput(threshold_seconds=settings.sweeper_threshold_seconds,
                                            batch=settings.sweeper_batch), "exports-sweeper-run"),
+        PARTNER_SWEEP_SCHEDULE: every(settings.partner_sweep_interval_seconds, "PartnerSweepWorkflow", None,
+                                      "exports-partner-sweep-run"),
     }
 
 

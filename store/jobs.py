@@ -70,6 +70,18 @@ class JobStore:
             row = (await conn.execute(query)).mappings().first()
         return dict(row) if row is not None else None
 
+    async def read_destinations(self) -> list[dict[str, Any]]:
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(select(destinations).order_by(destinations.c.id))).mappings().all()
+        return [dict(row) for row in rows]
+
+    async def attempt_delivering(self, attempt_id: UUID) -> bool:
+        """Whether this attempt still holds a row in Delivering: its upload may still run."""
+        query = select(export_jobs.c.id).where(export_jobs.c.attempt_id == attempt_id,
+                                               export_jobs.c.status == Status.DELIVERING.value)
+        async with self.engine.connect() as conn:
+            return (await conn.execute(query)).first() is not None
+
     async def request_cancellation(
         self, *, tenant_id: UUID, job_id: UUID, request_id: UUID, requested_by: str, reason: str | None
     ) -> CancellationResult:

@@ -42,6 +42,10 @@ class Settings(BaseSettings):
     sweeper_batch: int = Field(500, ge=1)
     recovery_interval_seconds: float = Field(30.0, ge=1)
     recovery_batch: int = Field(100, ge=1)
+    # How often each partner's temporary directory is swept of our temporary files older than its contract allows.
+    partner_sweep_interval_seconds: float = Field(3600.0, ge=1)
+    # How often a worker removes built files that no attempt can use any more (contact data on its disk).
+    scavenge_interval_seconds: float = Field(300.0, gt=0)
 
     work_dir: Path = Path(".exports/work")
     # Fault injection only: checkpoints (activities/checkpoints.py) where a worker holds, for a test to kill it.

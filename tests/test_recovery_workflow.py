@@ -9,7 +9,10 @@ from datetime import datetime, timezone
 import pytest
 from temporalio.api.enums.v1 import EventType
 
-from starter.schedules import RECOVERY_SCHEDULE, SWEEPER_SCHEDULE, install_schedules
+from starter.schedules import PARTNER_SWEEP_SCHEDULE, RECOVERY_SCHEDULE, SWEEPER_SCHEDULE, install_schedules
+
+SCHEDULES = {RECOVERY_SCHEDULE: "RecoveryWorkflow", SWEEPER_SCHEDULE: "SweeperWorkflow",
+             PARTNER_SWEEP_SCHEDULE: "PartnerSweepWorkflow"}
 from store.models import Status
 from tests.support import eventually
 from tests.workflow_support import Harness, WorkerProcess, held_at, open_harness, run_recovery
@@ -40,17 +43,18 @@ async def scheduled_runs(h: Harness, schedule_id: str, workflow_type: str, since
 @pytest.mark.spec("TW3")
 async def test_schedules__installed_twice_changes_nothing_and_they_run(harness: Harness):
     settings = harness.settings.model_copy(update={"recovery_interval_seconds": 3600.0,
-                                                   "sweeper_interval_seconds": 3600.0})
+                                                   "sweeper_interval_seconds": 3600.0,
+                                                   "partner_sweep_interval_seconds": 3600.0})
     installed_at = datetime.now(timezone.utc)
     first = await install_schedules(harness.client, settings)
     try:
         described = {i: (await harness.client.get_schedule_handle(i).describe()).schedule
-                     for i in (RECOVERY_SCHEDULE, SWEEPER_SCHEDULE)}
+                     for i in SCHEDULES}
         second = await install_schedules(harness.client, settings)
-        assert first == {RECOVERY_SCHEDULE: "created", SWEEPER_SCHEDULE: "created"}
-        assert second == {RECOVERY_SCHEDULE: "updated", SWEEPER_SCHEDULE: "updated"}
+        assert first == dict.fromkeys(SCHEDULES, "created")
+        assert second == dict.fromkeys(SCHEDULES, "updated")
         ids = [s.id async for s in await harness.client.list_schedules()]
-        assert sorted(i for i in ids if i.startswith("exports-")) == [RECOVERY_SCHEDULE, SWEEPER_SCHEDULE]
+        assert sorted(i for i in ids if i.startswith("exports-")) == sorted(SCHEDULES)
         for schedule_id, before in described.items():
             after = (await harness.client.get_schedule_handle(schedule_id).describe()).schedule
             assert (after.action, after.spec, after.policy) == (before.action, before.spec, before.policy)
@@ -58,14 +62,13 @@ async def test_schedules__installed_twice_changes_nothing_and_they_run(harness: 
             assert after.policy.overlap.name == "SKIP"
             assert after.action.task_queue == settings.task_queue
         # Each schedule's run is a real workflow on this test's worker: triggered now, not in an hour.
-        for schedule_id, workflow_type in ((RECOVERY_SCHEDULE, "RecoveryWorkflow"),
-                                           (SWEEPER_SCHEDULE, "SweeperWorkflow")):
+        for schedule_id, workflow_type in SCHEDULES.items():
             await harness.client.get_schedule_handle(schedule_id).trigger()
             await eventually(lambda: scheduled_runs(harness, schedule_id, workflow_type, installed_at),
                              lambda runs: len(runs) >= 1, timeout=30, interval=0.5,
                              what=f"a completed {workflow_type} started by schedule {schedule_id}")
     finally:
-        for schedule_id in (RECOVERY_SCHEDULE, SWEEPER_SCHEDULE):
+        for schedule_id in SCHEDULES:
             await harness.client.get_schedule_handle(schedule_id).delete()
 
 

@@ -1,4 +1,5 @@
-"""RecoveryWorkflow and SweeperWorkflow, each started by a Temporal Schedule that never runs two at once.
+"""RecoveryWorkflow, SweeperWorkflow and PartnerSweepWorkflow, each started by a Temporal Schedule that never runs
+two at once.
 
 Recovery nominates expired attempts and takes each over with its own activity (one conditional statement per
 case), so the UI shows what it did to which export. The sweeper republishes queued jobs whose wake-up is old.
@@ -12,7 +13,15 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from activities.contracts import Candidate, RecoveryInput, RecoveryReport, SweepInput, TakeoverOutput
+    from activities.contracts import (
+        Candidate,
+        DestinationRef,
+        PartnerSweepOutput,
+        RecoveryInput,
+        RecoveryReport,
+        SweepInput,
+        TakeoverOutput,
+    )
 
 _STEP = {
     "start_to_close_timeout": timedelta(seconds=60),
@@ -47,3 +56,21 @@ class SweeperWorkflow:
         return await workflow.execute_activity(
             "sweep", request, result_type=int, summary="republish queued jobs with old wake-ups", **_STEP
         )
+
+
+@workflow.defn
+class PartnerSweepWorkflow:
+    """Each destination's temporary directory, one activity each, so one unreachable partner delays no other."""
+
+    @workflow.run
+    async def run(self) -> list[PartnerSweepOutput]:
+        refs: list[DestinationRef] = await workflow.execute_activity(
+            "list_destinations", result_type=list[DestinationRef], summary="list destinations", **_STEP
+        )
+        swept = []
+        for ref in refs:
+            swept.append(await workflow.execute_activity(
+                "sweep_partner_temp_files", ref, result_type=PartnerSweepOutput,
+                summary=f"sweep temporary files at destination {ref.destination_id}", **_STEP,
+            ))
+        return swept
