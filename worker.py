@@ -22,6 +22,7 @@ from temporalio.worker import Worker
 
 from activities.checkpoints import checkpoints_for
 from activities.exports import ExportActivities
+from activities.interceptors import ClassifyStoreErrors
 from activities.recovery import RecoveryActivities
 from activities.scavenger import keep_scavenging, scavenge
 from starter.dispatcher import OutboxDispatcher
@@ -66,6 +67,7 @@ async def running_worker(
         activities=activities.all() + recovery.all(),
         max_heartbeat_throttle_interval=throttle,
         default_heartbeat_throttle_interval=throttle,
+        interceptors=[ClassifyStoreErrors()],
     )
     own = Worker(
         client,
@@ -73,6 +75,7 @@ async def running_worker(
         activities=activities.all(),
         max_heartbeat_throttle_interval=throttle,
         default_heartbeat_throttle_interval=throttle,
+        interceptors=[ClassifyStoreErrors()],
     )
     await scavenge(store, Path(settings.work_dir))
     stop = asyncio.Event()

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from uuid import UUID
 
-from pydantic import AliasChoices, BaseModel, Field
+from typing import Annotated
+
+from pydantic import AfterValidator, AliasChoices, BaseModel, Field
 
 from store.models import (
     AuthorizationResult,
@@ -27,13 +29,31 @@ MAX_REASON = 2000
 TEMPORAL_CANCEL_OPERATOR = "temporal-cancel"
 
 
+def _storable(text: str) -> str:
+    # PostgreSQL's text cannot hold NUL; other control characters would reach an operator's terminal.
+    if any(ord(c) < 32 and c not in "\t\n" for c in text) or "\x7f" in text:
+        raise ValueError("must not contain NUL or other control characters")
+    return text
+
+
+def _named(text: str) -> str:
+    if not text.strip():
+        raise ValueError("must name someone, not be blank")
+    return text
+
+
+# Text typed by a person that ends up in a text column: storable, and bounded by the column's agreed length.
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME), AfterValidator(_storable), AfterValidator(_named)]
+Reason = Annotated[str, Field(max_length=MAX_REASON), AfterValidator(_storable)]
+
+
 class CreateExport(BaseModel):
     """What a platform team supplies to create an export; the workflow's first activity runs the creation."""
 
     job_id: UUID
     tenant_id: UUID
     destination_id: UUID
-    created_by: str = Field(min_length=1, max_length=MAX_NAME)
+    created_by: Name
     delivery_key: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -60,9 +80,8 @@ class CancelRequest(BaseModel):
 
     request_id: UUID
     tenant_id: UUID = Field(validation_alias=AliasChoices("tenant_id", "tenant"))
-    requested_by: str = Field(min_length=1, max_length=MAX_NAME,
-                              validation_alias=AliasChoices("requested_by", "operator"))
-    reason: str | None = Field(default=None, max_length=MAX_REASON)
+    requested_by: Name = Field(validation_alias=AliasChoices("requested_by", "operator"))
+    reason: Reason | None = None
 
 
 class Evaluation(BaseModel):

@@ -132,6 +132,37 @@ def is_uncertain(exc: BaseException) -> bool:
     return cause is not None and cause is not exc and is_uncertain(cause)
 
 
+# Answers that may differ on a retry: a serialization failure, a deadlock, a lock or statement timeout, a server
+# short of resources. Everything else the server says (invalid text, a number out of range, a constraint or a
+# privilege) is the same answer next time.
+_TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "55P03", "57014"})
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Worth retrying: connection loss or a timeout (uncertain), or a server answer that may change."""
+    if is_uncertain(exc):
+        return True
+    err = postgres_error(exc)
+    return err is not None and (err.sqlstate in _TRANSIENT_SQLSTATES or err.sqlstate.startswith("53"))
+
+
+def is_deterministic(exc: BaseException) -> bool:
+    """A definite refusal that no retry can change: a domain error, the server's answer to this statement, or a
+    value the driver refused to send (asyncpg's client-side DataError, e.g. a number out of range)."""
+    if isinstance(exc, StoreError):
+        return True
+    if is_transient(exc):
+        return False
+    if postgres_error(exc) is not None:
+        return True
+    current: BaseException | None = exc
+    while current is not None:
+        if isinstance(current, asyncpg.exceptions._base.DataError):
+            return True
+        current = getattr(current, "orig", None) or current.__cause__
+    return False
+
+
 def translate(exc: BaseException) -> BaseException:
     """The domain error for a constraint violation, or the exception itself."""
     err = postgres_error(exc)

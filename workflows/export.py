@@ -37,7 +37,7 @@ with workflow.unsafe.imports_passed_through():
         ExportResult,
         Wake,
     )
-    from store.models import AuthorizationResult, CancellationOutcome, ClaimResult, JobRow
+    from store.models import AuthorizationResult, CancellationOutcome, ClaimResult, JobRow, Status
 
 EXPORT_STATUS = SearchAttributeKey.for_keyword("ExportStatus")
 EXPORT_TENANT = SearchAttributeKey.for_keyword("ExportTenant")
@@ -45,10 +45,13 @@ DELIVERY_KEY = SearchAttributeKey.for_keyword("DeliveryKey")
 EXPORT_ATTEMPTS = SearchAttributeKey.for_int("ExportAttempts")
 SEARCH_ATTRIBUTES = (EXPORT_STATUS, EXPORT_TENANT, DELIVERY_KEY, EXPORT_ATTEMPTS)
 
-# Short steps on the shared queue: each is a conditional statement, safe to retry.
+# Short steps on the shared queue: each is a conditional statement, safe to retry, but never without bound (about
+# four minutes of retries ride out a database restart); a definite refusal is not retried at all (the worker's
+# ClassifyStoreErrors interceptor makes it non-retryable).
 _SHORT: dict[str, Any] = {
     "start_to_close_timeout": timedelta(seconds=30),
-    "retry_policy": RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30)),
+    "retry_policy": RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30),
+                                maximum_attempts=10),
 }
 # Without a wake-up, the workflow still looks at the row this often.
 _IDLE_RECHECK = timedelta(minutes=5)
@@ -72,6 +75,10 @@ class ExportWorkflow:
         self._temporal_cancel = False
         self._stop_seen = False
         self._build: workflow.ActivityHandle[BuildOutput] | None = None
+        self._shown: tuple[Status, int] | None = None
+        # What an operator asks in the UI (the workflow's current details): who asked what, and what came of it.
+        self._asked: list[str] = []
+        self._why: str = ""
 
     @workflow.signal
     def wake(self, wake: Wake) -> None:
@@ -103,7 +110,10 @@ class ExportWorkflow:
         return list(self._rejected_signals)
 
     @workflow.run
-    async def run(self, request: ExportInput) -> ExportResult:
+    async def run(self, payload: Any = None) -> ExportResult:
+        # Typed loosely and validated here, as the cancel signal is: a start that does not decode would otherwise
+        # fail the workflow task again and again, and never end.
+        request = _validated_start(payload)
         # Temporal's cancel must not cancel an attempt's steps (least of all a delivery): it becomes a stop
         # request, decided under the row lock like any other, and the run goes on to the row's final state.
         drive = asyncio.create_task(self._drive(request))
@@ -130,57 +140,107 @@ class ExportWorkflow:
 
     async def _drive(self, request: ExportInput) -> ExportResult:
         if request.create is not None:
-            await workflow.execute_activity(
-                "create_export", request.create, summary=f"create, key {request.create.delivery_key}", **_SHORT
-            )
+            try:
+                await workflow.execute_activity(
+                    "create_export", request.create, summary=f"create, key {request.create.delivery_key}", **_SHORT
+                )
+            except ActivityError as err:
+                raise ApplicationError(f"the export was not created: {_cause(err)}", type="ExportNotCreated",
+                                       non_retryable=True) from None
         canceller = asyncio.create_task(self._serve_cancellations())
         job_id = str(request.job_id)
         while True:
             self._woken = False
-            evaluation: Evaluation = await workflow.execute_activity(
-                "evaluate_policy", job_id, result_type=Evaluation, summary="read row, evaluate policy", **_SHORT
-            )
+            try:
+                evaluation: Evaluation = await workflow.execute_activity(
+                    "evaluate_policy", job_id, result_type=Evaluation, summary="read row, evaluate policy",
+                    **_SHORT
+                )
+            except ActivityError as err:
+                # Ended visibly (its failure is in the history); the row is read again at the next wake-up.
+                workflow.logger.warning("reading export %s failed: %s; waiting for the row", job_id, _cause(err))
+                await self._wait_for_wake()
+                continue
+            if evaluation.reason:
+                self._why = f"rejected: {evaluation.reason}"
             row = self._observe(evaluation.row)
             if row.status.is_settled:
                 break
             if evaluation.allowed and await self._attempt(row):
                 continue
             # Another attempt holds the row, or the claim is unconfirmed: the next wake-up, or a timer, re-reads.
-            try:
-                await workflow.wait_condition(lambda: self._woken, timeout=_IDLE_RECHECK)
-            except asyncio.TimeoutError:
-                pass
+            await self._wait_for_wake()
         # Requests that arrived meanwhile are still recorded, one record per request ID.
         await workflow.wait_condition(lambda: not self._cancels and not self._cancel_in_flight)
         canceller.cancel()
         return ExportResult(job_id=row.id, status=row.status, failure_reason=row.failure_reason)
 
+    async def _wait_for_wake(self) -> None:
+        try:
+            await workflow.wait_condition(lambda: self._woken, timeout=_IDLE_RECHECK)
+        except asyncio.TimeoutError:
+            pass
+
     def _observe(self, row: JobRow | None) -> JobRow:
         if row is None:
             raise ApplicationError("no export with this ID", type="ExportNotFound", non_retryable=True)
-        previous, self._row = self._row, row
+        self._row = row
         self._request_stop_for_temporal_cancel()
-        if previous is None or (previous.status, previous.attempt_count) != (row.status, row.attempt_count):
-            workflow.upsert_search_attributes(
-                [
-                    EXPORT_STATUS.value_set(row.status.value),
-                    EXPORT_TENANT.value_set(str(row.tenant_id)),
-                    DELIVERY_KEY.value_set(row.delivery_key),
-                    EXPORT_ATTEMPTS.value_set(row.attempt_count),
-                ]
-            )
+        self._show(row.status, row.attempt_count)
         return row
+
+    def _describe(self, status: Status | None = None, attempts: int | None = None) -> None:
+        """Who, why, what, in the UI's "current details", without opening any JSON."""
+        row = self._row
+        if row is None:
+            return
+        if status is None or attempts is None:
+            status, attempts = self._shown or (row.status, row.attempt_count)
+        lines = [f"**{status.value}**, attempt {attempts}"]
+        if status is Status.FAILED and row.failure_reason:
+            lines[0] += f": {row.failure_reason.value}"
+        if self._why:
+            lines.append(self._why)
+        if row.expected_file_name and status in (Status.DELIVERING, Status.COMPLETED, Status.OUTCOME_UNKNOWN):
+            digest = row.expected_file_sha256.hex() if row.expected_file_sha256 else "?"
+            lines.append(f"file {row.expected_file_name}, {row.expected_file_bytes} bytes, sha256 {digest}")
+        lines.extend(self._asked[-10:])
+        if self._rejected_signals:
+            lines.append(f"{len(self._rejected_signals)} signal(s) rejected: see the rejected_signals query")
+        workflow.set_current_details("\n\n".join(lines))
+
+    def _show(self, status: Status, attempts: int) -> None:
+        """The search attributes follow every state the workflow learns of, from the row or from the step that
+        just committed it (a claim, cutoff 2)."""
+        self._describe(status, attempts)
+        if self._shown == (status, attempts):
+            return
+        self._shown = (status, attempts)
+        row = self._row
+        assert row is not None
+        workflow.upsert_search_attributes(
+            [
+                EXPORT_STATUS.value_set(status.value),
+                EXPORT_TENANT.value_set(str(row.tenant_id)),
+                DELIVERY_KEY.value_set(row.delivery_key),
+                EXPORT_ATTEMPTS.value_set(attempts),
+            ]
+        )
 
     async def _attempt(self, row: JobRow) -> bool:
         """One attempt from the claim to its terminal write. True when the row should be re-read at once."""
         attempt_id = workflow.uuid4()
-        claim: ClaimOutput = await workflow.execute_activity(
-            "claim",
-            ClaimInput(job_id=row.id, checked_version=row.version, attempt_id=attempt_id),
-            result_type=ClaimOutput,
-            summary=f"claim, attempt {row.attempt_count + 1}",
-            **_SHORT,
-        )
+        try:
+            claim: ClaimOutput = await workflow.execute_activity(
+                "claim",
+                ClaimInput(job_id=row.id, checked_version=row.version, attempt_id=attempt_id),
+                result_type=ClaimOutput,
+                summary=f"claim, attempt {row.attempt_count + 1}",
+                **_SHORT,
+            )
+        except ActivityError as err:
+            workflow.logger.warning("claim of %s failed: %s; the row decides", row.id, _cause(err))
+            claim = ClaimOutput(result=ClaimResult.UNKNOWN, worker_task_queue="", lease_seconds=0)
         if claim.result is ClaimResult.UNKNOWN:
             # Like an unsettled message: it comes back later, and the row decides then.
             await workflow.sleep(_UNCONFIRMED_CLAIM_RETRY)
@@ -190,10 +250,13 @@ class ExportWorkflow:
             # edit writes one), which may already have arrived.
             return False
 
+        self._show(Status.RUNNING, row.attempt_count + 1)
         lease = timedelta(seconds=claim.lease_seconds)
         attempt = AttemptInput(job=row, attempt_id=attempt_id)
         built = await self._build_file(attempt, claim.worker_task_queue, lease)
         if built is None or built.file is None:
+            if built is not None and built.ended:
+                self._why = f"build ended: {built.ended}"
             return True
 
         file = built.file
@@ -216,8 +279,9 @@ class ExportWorkflow:
             return True  # cutoff 2 may or may not have committed: the row says which side the attempt is on
         if authorized.result is not AuthorizationResult.AUTHORIZED:
             return True
+        self._show(Status.DELIVERING, row.attempt_count + 1)
         try:
-            await workflow.execute_activity(
+            delivered: DeliverOutput = await workflow.execute_activity(
                 "deliver",
                 DeliverInput(job=row, attempt_id=attempt_id, file=file),
                 result_type=DeliverOutput,
@@ -226,6 +290,7 @@ class ExportWorkflow:
                 summary=f"upload {file.final_name}, {_size(file.size)}",
                 **on_worker,
             )
+            self._why = f"delivery: {delivered.summary}"
         except ActivityError:
             pass  # never a second upload: the row stays Delivering and recovery resolves it
         return True
@@ -272,9 +337,13 @@ class ExportWorkflow:
     async def _stop_without_build(self, attempt: AttemptInput) -> None:
         """Record the stop for an attempt whose build is not running: Running -> Stopped, conditional on this
         attempt and on the recorded stop request, so a build that does run on somewhere is refused at cutoff 2."""
-        await workflow.execute_activity(
-            "stop_attempt", attempt, result_type=bool, summary="stop, no build running", **_SHORT
-        )
+        try:
+            await workflow.execute_activity(
+                "stop_attempt", attempt, result_type=bool, summary="stop, no build running", **_SHORT
+            )
+        except ActivityError as err:
+            # The stop request is recorded in the row: cutoff 2 refuses the attempt, and recovery stops it.
+            workflow.logger.warning("stop of %s not written: %s; left to recovery", attempt.job.id, _cause(err))
         return None
 
     async def _serve_cancellations(self) -> None:
@@ -290,9 +359,18 @@ class ExportWorkflow:
                     summary=f"cancellation request by {request.requested_by}",
                     **_SHORT,
                 )
+            except ActivityError as err:
+                # One request that cannot be recorded never blocks the next one.
+                problem = f"cancel {request.request_id} not recorded: {_cause(err)}"
+                self._rejected_signals.append(problem)
+                workflow.logger.warning("%s", problem)
+                continue
             finally:
                 self._cancel_in_flight = False
             workflow.logger.info("cancellation request %s: %s", request.request_id, recorded.result.outcome)
+            reason = f": \"{request.reason}\"" if request.reason else ""
+            self._asked.append(f"cancel by {request.requested_by}{reason} → {recorded.result.outcome.value}")
+            self._describe()
             if recorded.result.outcome in _STOP_OUTCOMES:
                 self._stop_seen = True
                 if self._build is not None:
@@ -306,3 +384,29 @@ def _size(size: float) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1000
     return f"{size} B"
+
+
+def _cause(err: ActivityError) -> str:
+    """The one-line message of what made a step fail."""
+    cause: BaseException = err
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    return str(cause) or type(cause).__name__
+
+
+def _validated_start(payload: Any) -> ExportInput:
+    """The start's input, or a failure of the run at once (non-retryable) before anything is written."""
+    try:
+        request = ExportInput.model_validate(payload)
+    except ValidationError as exc:
+        problem = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'input'}: {e['msg']}" for e in exc.errors())
+        raise ApplicationError(f"invalid start input, nothing written: {problem}", type="InvalidExportInput",
+                               non_retryable=True) from None
+    expected = f"export-{request.job_id}"
+    if workflow.info().workflow_id != expected:
+        raise ApplicationError(f"an export's workflow ID must be {expected!r}, not {workflow.info().workflow_id!r}; "
+                               "nothing written", type="InvalidExportInput", non_retryable=True)
+    if request.create is not None and request.create.job_id != request.job_id:
+        raise ApplicationError(f"create.job_id {request.create.job_id} differs from job_id {request.job_id}; "
+                               "nothing written", type="InvalidExportInput", non_retryable=True)
+    return request
