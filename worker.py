@@ -77,7 +77,10 @@ async def running_worker(
         default_heartbeat_throttle_interval=throttle,
         interceptors=[ClassifyStoreErrors()],
     )
-    await scavenge(store, Path(settings.work_dir))
+    try:
+        await scavenge(store, Path(settings.work_dir))
+    except Exception as exc:  # the database is away: the periodic pass tries again; never a reason not to start
+        log.warning("scavenging %s at start failed, trying again later: %s", settings.work_dir, exc)
     stop = asyncio.Event()
     dispatcher_task = None
     dispatcher_engine = None

@@ -6,8 +6,9 @@ separate activities on this worker's own task queue. Between two of them the kee
 renewing, so no gap waits longer than a renewal interval; if the next step does not adopt it within a bound (its
 schedule-to-start timeout), it stops and the lease lapses for recovery.
 
-A renewal that throws is retried at the next interval and stops nothing. A renewal that changes no row means the
-attempt lost ownership: `on_lost` is called once and renewing stops. Renewals are serialized, so an on-demand
+A renewal that throws stops nothing and is retried soon (after half a second, then backing off to the interval),
+not a whole interval later: an outage shorter than the lease never lets it lapse. A renewal that changes no row
+means the attempt lost ownership: `on_lost` is called once and renewing stops. Renewals are serialized, so an on-demand
 renewal never overlaps a scheduled one.
 
 Heartbeats are the activity's own (`heartbeating`): Temporal sees the activity alive and, in the reply, tells it of
@@ -30,6 +31,7 @@ from store.jobs import JobStore
 log = logging.getLogger(__name__)
 
 _CONFIRM_RETRY_SECONDS = 0.5
+_FIRST_RETRY_SECONDS = 0.5
 
 
 class LeaseKeeper:
@@ -78,14 +80,19 @@ class LeaseKeeper:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        delay = self.renew_every
+        retry = _FIRST_RETRY_SECONDS
         try:
             while not self.lost:
-                await asyncio.sleep(self.renew_every)
+                await asyncio.sleep(delay)
                 if self._adopt_by is not None and loop.time() > self._adopt_by:
                     log.warning("attempt %s of export %s: the next step did not start in time; the lease is left "
                                 "to lapse for recovery", self.attempt_id, self.job_id)
                     break
-                await self.renew_now()
+                if await self._renew() is None:
+                    delay, retry = min(retry, self.renew_every), min(retry * 2, self.renew_every)
+                else:
+                    delay, retry = self.renew_every, _FIRST_RETRY_SECONDS
         finally:
             if not self._finishing:
                 if not self.lost:
@@ -94,15 +101,19 @@ class LeaseKeeper:
 
     async def renew_now(self) -> bool:
         """One renewal, serialized with the scheduled ones. False only when a renewal changed no row."""
+        return await self._renew() is not False
+
+    async def _renew(self) -> bool | None:
+        """Whether the renewal changed the row; None when it threw (it is retried soon)."""
         async with self._lock:
             if self._finished:
                 return not self.lost
             try:
                 renewed = await self.store.renew_lease(self.job_id, self.attempt_id, self.holder)
             except Exception as exc:
-                log.warning("lease renewal for %s attempt %s failed, retrying next tick: %s",
+                log.warning("lease renewal for %s attempt %s failed, retrying soon: %s",
                             self.job_id, self.attempt_id, exc)
-                return True
+                return None
             self._note(renewed)
             return renewed
 

@@ -24,6 +24,7 @@ from tests.test_crash_workflow import crash_world, forget_dead_worker, processes
 from tests.test_lease_workflow import (
     BOUND,
     LEASE,
+    RENEWAL,
     Hold,
     RenewalBlocker,
     assert_partner_holds_only,
@@ -239,3 +240,34 @@ async def start_worker(started: list[WorkerProcess], h: Harness, **overrides: ob
     process = await WorkerProcess(h.settings, worker_id=f"w{uuid.uuid4().hex[:6]}", **overrides).start()
     started.append(process)
     return process
+
+
+# --- a renewal that throws is retried soon, not a whole interval later -------------------------------------------
+
+
+@pytest.mark.spec("RN1")
+async def test_a_renewal_that_throws_is_retried_soon_so_a_short_outage_never_lets_the_lease_lapse(
+        db, store, client, tmp_path):
+    """A lease of 4 s renewed every 3 s: one renewal lost to a cut connection must not wait 3 s more for the next
+    one, or the lease lapses while the worker is healthy."""
+    async with AsyncExitStack() as stack:
+        proxy = await open_proxy(stack, db)
+        hold = Hold(BEFORE_CUTOFF_2)
+        h = await start(stack, db, store, client, tmp_path, proxy=proxy, hold=hold, lease_seconds=4.0,
+                        renew_every_seconds=3.0)
+        job_id = await h.create()
+        await hold.wait_held()  # the keeper, handed over by the build, renews every 3 s
+        cut = proxy.cut_before(RENEWAL)
+        await asyncio.wait_for(cut.wait(), BOUND)
+        cut_at = time.monotonic()
+        before = (await lease_state(db, job_id))["lease_expires_at"]
+        watch_until = cut_at + 6.0
+        while time.monotonic() < watch_until:
+            state = await lease_state(db, job_id)
+            assert state["expired"] is False, f"the lease lapsed after one failed renewal: {state}"
+            await asyncio.sleep(0.1)
+        renewed = await lease_state(db, job_id)
+        assert renewed["lease_expires_at"] > before
+        hold.release.set()
+        row = await h.settled(job_id)
+        assert row.status is Status.COMPLETED and row.attempt_count == 1
