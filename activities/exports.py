@@ -112,7 +112,14 @@ class ExportActivities:
         elif not destination["enabled"]:
             reason = f"destination {destination['name']!r} is disabled"
         else:
-            return Evaluation(row=row, allowed=True)
+            # A contract the delivery could not act on (a known_hosts line for a host key, say) would fail only
+            # at the connect after cutoff 2: refuse it now, before anything is claimed.
+            try:
+                partner.validate_destination(destination)
+            except partner.InvalidDestination as exc:
+                reason = f"destination {destination['name']!r} is not valid: {exc}"
+            else:
+                return Evaluation(row=row, allowed=True)
         if await self.store.reject(row.id, row.version):
             log.info("export %s rejected at version %s: %s", row.id, row.version, reason)
         return Evaluation(row=await self.store.read_job(row.id), reason=reason)
