@@ -595,9 +595,10 @@ def classify(exc: BaseException, step: Step, fresh_listing: RemoteFile | None) -
 
 
 async def _fresh_listing_and_cleanup(
-    dest: DestinationConfig, final_path: str, temp_path: str, timeout: float
+    dest: DestinationConfig, final_path: str, temp_path: str, timeout: float, *, remove_temp: bool
 ) -> tuple[RemoteFile | None, str | None]:
-    """List the final name on a new connection, then remove the temporary file over the same connection.
+    """List the final name on a new connection, then, if `remove_temp`, remove the temporary file over the same
+    connection.
 
     The listing and the removal are bounded by `timeout` each. Returns the listing (None if it could not be
     taken) and why it could not. Errors and cancellation are absorbed: see `deliver`.
@@ -607,11 +608,12 @@ async def _fresh_listing_and_cleanup(
         async with asyncio.timeout(timeout) as deadline:
             async with connect(dest, connect_timeout=timeout) as sftp:
                 listing = await _listing(sftp, final_path)
-                deadline.reschedule(asyncio.get_running_loop().time() + timeout)
-                try:
-                    await sftp.remove(temp_path)
-                except asyncssh.SFTPNoSuchFile:
-                    pass  # Never created, or already renamed into place.
+                if remove_temp:
+                    deadline.reschedule(asyncio.get_running_loop().time() + timeout)
+                    try:
+                        await sftp.remove(temp_path)
+                    except asyncssh.SFTPNoSuchFile:
+                        pass  # Never created, or already renamed into place.
     except _CAUGHT as exc:
         if listing is None:
             logger.warning("fresh listing of %s on %s failed: %s", final_path, dest.host, _describe(exc))
@@ -760,11 +762,17 @@ async def _after_failure(
             "outcome": result.outcome, "failure_reason": result.failure_reason,
         })
         return result
-    listing, listing_error = await _fresh_listing_and_cleanup(dest, final_path, temp_path, timeout)
+    # A rename that was sent and not refused may still be under way in the server (OpenSSH links the new name and
+    # then unlinks the old one): removing the temporary name now could make it take the final name back. So after
+    # an uncertain rename, or once it was acknowledged, touch nothing; the partner sweep removes the temporary file
+    # later, by its age.
+    settled = step == "upload" or (step == "rename" and isinstance(exc, _RENAME_REFUSED))
+    listing, listing_error = await _fresh_listing_and_cleanup(dest, final_path, temp_path, timeout,
+                                                              remove_temp=settled)
     result = classify(exc, step, listing)
     await _record_quietly(record_evidence, {
         "step": "fresh_listing", "failed_step": step, "error": _describe(exc),
         "final": listing.model_dump() if listing is not None else None, "listing_error": listing_error,
-        "outcome": result.outcome, "failure_reason": result.failure_reason,
+        "outcome": result.outcome, "failure_reason": result.failure_reason, "temp_left": not settled,
     })
     return result
