@@ -42,7 +42,7 @@ def judge(row: JobRow, evidence: list[dict[str, Any]], look: outcomes.FinalLook 
     expected_sha256 = row.expected_file_sha256.hex() if row.expected_file_sha256 else None
     overwrite = any(r.get("step") == "decision" and r.get("decision") == "Overwrite" for r in evidence)
     rule = {"final_name": row.expected_file_name or "", "expected_bytes": expected_bytes,
-            "expected_sha256": expected_sha256}
+            "expected_sha256": expected_sha256, "content_promised": contract.hash_evidence != "none"}
 
     receipts = [r for r in evidence if r.get("step") == "receipt"]
     if receipts:
@@ -66,11 +66,7 @@ def judge(row: JobRow, evidence: list[dict[str, Any]], look: outcomes.FinalLook 
         return Status.OUTCOME_UNKNOWN, f"look: {name} exists, but no baseline was recorded by this replacement"
     if occupied_before and not overwrite:
         return Status.OUTCOME_UNKNOWN, f"look: {name} exists, but the name was occupied before the upload"
-    if look.content_sha256 is None:
-        if contract.hash_evidence != "none":
-            return Status.OUTCOME_UNKNOWN, (f"look: {name} exists, but the evidence by content the contract "
-                                            f"offers ({contract.hash_evidence}) could not be had: "
-                                            f"{look.sha256_error or 'no answer'}")
+    if look.content_sha256 is None and contract.hash_evidence == "none":
         if row.replaces_job_id is not None and not contract.name_and_size_identify:
             return Status.OUTCOME_UNKNOWN, (f"look: {name} exists, but without evidence by content a "
                                             "replacement's file is identified by name and size only where the "

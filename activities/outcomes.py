@@ -11,8 +11,10 @@ so that both decide alike from the same evidence.
 |   differs                                                   |                |
 | the expected size, no evidence by content, after an         | OutcomeUnknown |
 |   overwrite (a rebuilt file can have the same size)         |                |
-| the expected size, no evidence by content, no overwrite     | Completed      |
-|   (the design's listing evidence; the reason is recorded)   |                |
+| the expected size, no evidence by content although the      | OutcomeUnknown |
+|   contract promises it (read_back, check_file)              |                |
+| the expected size, no evidence by content, none promised,   | Completed      |
+|   no overwrite (a listing changed from an absent baseline)  |  (by size)     |
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class FinalLook:
 
 
 def after_rename(look: FinalLook, *, final_name: str, expected_bytes: int, expected_sha256: str | None,
-                 overwrite: bool) -> tuple[Outcome, str]:
+                 overwrite: bool, content_promised: bool) -> tuple[Outcome, str]:
     """The outcome of an attempt whose rename into `final_name` was acknowledged, from a look taken after it."""
     if not look.exists or look.size != expected_bytes:
         found = f"{look.size} bytes" if look.exists else "no file"
@@ -55,5 +57,8 @@ def after_rename(look: FinalLook, *, final_name: str, expected_bytes: int, expec
     if overwrite:
         return "OutcomeUnknown", (f"outcome unknown: {final_name} was overwritten with {expected_bytes} bytes, "
                                   "and no hash or acknowledgment confirms this upload")
-    unhashed = f" (the partner's hash was unavailable: {look.sha256_error})" if look.sha256_error else ""
-    return "Completed", f"uploaded {final_name}, {expected_bytes} bytes, confirmed by size{unhashed}"
+    if content_promised:
+        return "OutcomeUnknown", (f"outcome unknown: {final_name} holds {expected_bytes} bytes, but the evidence by "
+                                  "content the contract promises could not be had: "
+                                  f"{look.sha256_error or 'no answer'}")
+    return "Completed", f"uploaded {final_name}, {expected_bytes} bytes, confirmed by size"

@@ -733,7 +733,8 @@ async def deliver(
                                             "expected_sha256": expected_sha256, "overwrite": overwrite})
     outcome, summary = outcomes.after_rename(receipt_look(receipt, content, content_error, acknowledged),
                                              final_name=final_name, expected_bytes=total,
-                                             expected_sha256=expected_sha256, overwrite=overwrite)
+                                             expected_sha256=expected_sha256, overwrite=overwrite,
+                                             content_promised=dest.contract.hash_evidence != "none")
     log = logger.info if outcome == "Completed" else logger.warning
     log("delivery of %s to %s: %s", final_path, dest.host, summary)
     return DeliveryResult(outcome=outcome, summary=summary, receipt=receipt if outcome == "Completed" else None)

@@ -90,15 +90,17 @@ async def test_openssh__replacement_identifies_the_originals_file_by_checksum(ha
     assert (openssh.root / "outbound" / row.final_name).read_bytes() == b"contacts"
 
 
-async def test_openssh__offers_no_check_file_so_a_delivery_is_confirmed_by_size(harness: Harness,
-                                                                               openssh: OpenSshPartner):
+@pytest.mark.spec("DV2")
+async def test_openssh__offers_no_check_file_so_a_delivery_promised_it_is_outcome_unknown(
+        harness: Harness, openssh: OpenSshPartner):
     """OpenSSH's sftp-server answers check-file-name with OP_UNSUPPORTED. A destination whose contract claims
-    the extension still delivers an original, confirmed by size, and its receipt says the hash was missing."""
+    the extension gets no Completed by size: the evidence it promised is missing, so the outcome is unknown, and
+    its receipt says why."""
     async with partner.connect(openssh.destination()) as sftp:
         with pytest.raises(asyncssh.SFTPOpUnsupported):
             await check_file_sha256(sftp, f"{openssh.destination().final_dir}/anything.csv")
     row = await run_export(harness, await openssh_destination(harness, openssh, hash_evidence="check_file"))
-    assert row.status is Status.COMPLETED
+    assert row.status is Status.OUTCOME_UNKNOWN
     receipts = await delivery_evidence(harness.db.admin, row.id)
     assert any("SFTPOpUnsupported" in r and '"receipt"' in r for r in receipts), receipts
 

@@ -201,14 +201,15 @@ async def test_check_file__a_file_changed_at_the_partner_is_not_confirmed(
     assert result.outcome == "OutcomeUnknown" and "sha256" in result.summary, result.summary
 
 
-async def test_check_file__not_offered_after_all_falls_back_to_size_and_says_so(
+@pytest.mark.spec("DV2")
+async def test_check_file__not_offered_after_all_is_outcome_unknown_never_completed_by_size(
     partner: LocalPartner, local: tuple[Path, bytes]
 ) -> None:
     partner.offers_check_file = False
     evidence = Evidence()
     result = await deliver_under_check_file(partner, local, evidence)
-    assert result.outcome == "Completed" and "confirmed by size" in result.summary, result.summary
-    assert "hash was unavailable" in result.summary
+    assert result.outcome == "OutcomeUnknown" and "confirmed" not in result.summary, result.summary
+    assert "the contract promises could not be had" in result.summary and "SFTPOpUnsupported" in result.summary
     receipt = evidence.first("receipt")
     assert receipt["sha256"] is None and "SFTPOpUnsupported" in receipt["sha256_error"]
 
