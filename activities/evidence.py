@@ -13,7 +13,7 @@ outlast any timeout. Everything else is OutcomeUnknown, for reconciliation.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 from activities import outcomes
 from activities.partner import PartnerContract
@@ -32,12 +32,22 @@ def attempt_evidence(events: list[dict[str, Any]], attempt_id: object) -> list[d
     return found
 
 
-def _judged(outcome: outcomes.Outcome, summary: str, source: str) -> tuple[Status, str]:
-    return Status(outcome), f"{source}: {summary}"
+class Judgement(NamedTuple):
+    resolution: Status
+    summary: str
+    confirmed_by: outcomes.ConfirmedBy | None = None
+
+
+def _unknown(summary: str) -> Judgement:
+    return Judgement(Status.OUTCOME_UNKNOWN, summary)
+
+
+def _judged(verdict: outcomes.Verdict, source: str) -> Judgement:
+    return Judgement(Status(verdict.outcome), f"{source}: {verdict.summary}", verdict.confirmed_by)
 
 
 def judge(row: JobRow, evidence: list[dict[str, Any]], look: outcomes.FinalLook | None,
-          contract: PartnerContract) -> tuple[Status, str]:
+          contract: PartnerContract) -> Judgement:
     expected_bytes = row.expected_file_bytes or 0
     expected_sha256 = row.expected_file_sha256.hex() if row.expected_file_sha256 else None
     overwrite = any(r.get("step") == "decision" and r.get("decision") == "Overwrite" for r in evidence)
@@ -51,24 +61,23 @@ def judge(row: JobRow, evidence: list[dict[str, Any]], look: outcomes.FinalLook 
         seen = outcomes.FinalLook(exists=bool(final.get("exists")), size=final.get("size"),
                                   sha256=receipt.get("sha256"), sha256_error=receipt.get("sha256_error"),
                                   acknowledged_sha256=receipt.get("acknowledged_sha256"))
-        return _judged(*outcomes.after_rename(seen, overwrite=overwrite or bool(receipt.get("overwrite")), **rule),
+        return _judged(outcomes.after_rename(seen, overwrite=overwrite or bool(receipt.get("overwrite")), **rule),
                        "receipt appended by the attempt")
 
     name = row.expected_file_name
     if look is None:
-        return Status.OUTCOME_UNKNOWN, "no receipt, and the destination could not be looked at"
+        return _unknown("no receipt, and the destination could not be looked at")
     if not look.exists:
-        return Status.OUTCOME_UNKNOWN, f"look: {name} absent; the attempt may still upload"
+        return _unknown(f"look: {name} absent; the attempt may still upload")
     baselines = [r for r in evidence if r.get("step") == "baseline"]
     occupied_before = bool(baselines) and bool((baselines[0].get("final") or {}).get("exists"))
     if row.replaces_job_id is not None and not baselines:
         # A file under a replacement's name may be the original's: only this attempt's own baseline counts.
-        return Status.OUTCOME_UNKNOWN, f"look: {name} exists, but no baseline was recorded by this replacement"
+        return _unknown(f"look: {name} exists, but no baseline was recorded by this replacement")
     if occupied_before and not overwrite:
-        return Status.OUTCOME_UNKNOWN, f"look: {name} exists, but the name was occupied before the upload"
+        return _unknown(f"look: {name} exists, but the name was occupied before the upload")
     if look.content_sha256 is None and contract.hash_evidence == "none":
         if row.replaces_job_id is not None and not contract.name_and_size_identify:
-            return Status.OUTCOME_UNKNOWN, (f"look: {name} exists, but without evidence by content a "
-                                            "replacement's file is identified by name and size only where the "
-                                            "contract says so")
-    return _judged(*outcomes.after_rename(look, overwrite=overwrite, **rule), "look")
+            return _unknown(f"look: {name} exists, but without evidence by content a replacement's file is "
+                            "identified by name and size only where the contract says so")
+    return _judged(outcomes.after_rename(look, overwrite=overwrite, **rule), "look")

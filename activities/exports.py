@@ -394,7 +394,8 @@ class ExportActivities:
                 failure = FailureCode(result.failure_reason) if result.failure_reason else None
                 async with lease.terminal_write():
                     written = await self.store.finish_delivery(job.id, attempt_id, outcome, failure,
-                                                               result.summary, holder=file.holder)
+                                                               result.summary, holder=file.holder,
+                                                               confirmed_by=result.confirmed_by)
         finally:
             remove_local_file(file.path)
             await lease.finish()

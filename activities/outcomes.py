@@ -20,9 +20,16 @@ so that both decide alike from the same evidence.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 Outcome = Literal["Completed", "OutcomeUnknown"]
+ConfirmedBy = Literal["sha256", "acknowledgment", "size"]
+
+
+class Verdict(NamedTuple):
+    outcome: Outcome
+    summary: str
+    confirmed_by: ConfirmedBy | None = None  # what made a Completed true
 
 
 @dataclass(frozen=True)
@@ -41,24 +48,27 @@ class FinalLook:
 
 
 def after_rename(look: FinalLook, *, final_name: str, expected_bytes: int, expected_sha256: str | None,
-                 overwrite: bool, content_promised: bool) -> tuple[Outcome, str]:
+                 overwrite: bool, content_promised: bool) -> Verdict:
     """The outcome of an attempt whose rename into `final_name` was acknowledged, from a look taken after it."""
     if not look.exists or look.size != expected_bytes:
         found = f"{look.size} bytes" if look.exists else "no file"
-        return "OutcomeUnknown", (f"outcome unknown: {final_name} holds {found} after the rename, "
-                                  f"expected {expected_bytes} bytes")
+        return Verdict("OutcomeUnknown", f"outcome unknown: {final_name} holds {found} after the rename, "
+                                         f"expected {expected_bytes} bytes")
     content = look.content_sha256
     if content is not None and content == expected_sha256:
-        how = "sha256" if look.sha256 is not None else "the partner's acknowledgment"
-        return "Completed", f"uploaded {final_name}, {expected_bytes} bytes, confirmed by {how}"
+        if look.sha256 is not None:
+            return Verdict("Completed", f"uploaded {final_name}, {expected_bytes} bytes, confirmed by sha256",
+                           "sha256")
+        return Verdict("Completed", f"uploaded {final_name}, {expected_bytes} bytes, confirmed by the partner's "
+                                    "acknowledgment", "acknowledgment")
     if content is not None:
-        return "OutcomeUnknown", (f"outcome unknown: {final_name} holds {expected_bytes} bytes, but their sha256 "
-                                  "is not the expected file's")
+        return Verdict("OutcomeUnknown", f"outcome unknown: {final_name} holds {expected_bytes} bytes, but their "
+                                         "sha256 is not the expected file's")
     if overwrite:
-        return "OutcomeUnknown", (f"outcome unknown: {final_name} was overwritten with {expected_bytes} bytes, "
-                                  "and no hash or acknowledgment confirms this upload")
+        return Verdict("OutcomeUnknown", f"outcome unknown: {final_name} was overwritten with {expected_bytes} "
+                                         "bytes, and no hash or acknowledgment confirms this upload")
     if content_promised:
-        return "OutcomeUnknown", (f"outcome unknown: {final_name} holds {expected_bytes} bytes, but the evidence by "
-                                  "content the contract promises could not be had: "
-                                  f"{look.sha256_error or 'no answer'}")
-    return "Completed", f"uploaded {final_name}, {expected_bytes} bytes, confirmed by size"
+        return Verdict("OutcomeUnknown", f"outcome unknown: {final_name} holds {expected_bytes} bytes, but the "
+                                         "evidence by content the contract promises could not be had: "
+                                         f"{look.sha256_error or 'no answer'}")
+    return Verdict("Completed", f"uploaded {final_name}, {expected_bytes} bytes, confirmed by size", "size")

@@ -263,6 +263,7 @@ class DeliveryResult(BaseModel):
     failure_reason: Literal["NotDelivered", "FinalNameOccupied", "OriginalDelivered"] | None = None
     summary: str
     receipt: RemoteFile | None = None
+    confirmed_by: outcomes.ConfirmedBy | None = None  # what made a Completed true
 
 
 class HostKeyMismatch(Exception):
@@ -731,13 +732,14 @@ async def deliver(
                                             "expected_bytes": total, "sha256": content,
                                             "sha256_error": content_error, "acknowledged_sha256": acknowledged,
                                             "expected_sha256": expected_sha256, "overwrite": overwrite})
-    outcome, summary = outcomes.after_rename(receipt_look(receipt, content, content_error, acknowledged),
+    outcome, summary, confirmed_by = outcomes.after_rename(receipt_look(receipt, content, content_error, acknowledged),
                                              final_name=final_name, expected_bytes=total,
                                              expected_sha256=expected_sha256, overwrite=overwrite,
                                              content_promised=dest.contract.hash_evidence != "none")
     log = logger.info if outcome == "Completed" else logger.warning
     log("delivery of %s to %s: %s", final_path, dest.host, summary)
-    return DeliveryResult(outcome=outcome, summary=summary, receipt=receipt if outcome == "Completed" else None)
+    return DeliveryResult(outcome=outcome, summary=summary, confirmed_by=confirmed_by,
+                          receipt=receipt if outcome == "Completed" else None)
 
 
 def receipt_look(final: RemoteFile, sha256: str | None, sha256_error: str | None,

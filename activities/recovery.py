@@ -70,12 +70,14 @@ class RecoveryActivities:
         config = partner.DestinationConfig.from_row(destination) if destination is not None else None
         look = await self._look(row, config)
         contract = config.contract if config is not None else partner.PartnerContract()
-        resolution, summary = evidence.judge(row, evidence.attempt_evidence(events, row.attempt_id), look, contract)
+        resolution, summary, confirmed_by = evidence.judge(row, evidence.attempt_evidence(events, row.attempt_id),
+                                                           look, contract)
         # Recovery's own look at the destination is evidence too; reconciliation reads it later.
         await self.store.append_evidence(row.id, row.attempt_id, f"recovery/{run_id}", {
             "step": "recovery_look", "final": dataclasses.asdict(look) if look else None,
             "resolution": resolution.value, "summary": summary})
-        changed = await self.recovery.resolve(row.id, row.attempt_id, resolution, summary, run_id)
+        changed = await self.recovery.resolve(row.id, row.attempt_id, resolution, summary, run_id,
+                                              confirmed_by=confirmed_by)
         return (RESOLVED if changed else None), summary
 
     async def _look(self, row: JobRow, config: partner.DestinationConfig | None) -> FinalLook | None:

@@ -264,12 +264,17 @@ class JobStore:
         summary: str,
         *,
         holder: str | None = None,
+        confirmed_by: str | None = None,
     ) -> bool:
+        """The terminal write after cutoff 2; a Completed says what confirmed it (sha256, acknowledgment, size)."""
+        if (outcome is Status.COMPLETED) != (confirmed_by is not None):
+            raise ValueError("a Completed says what confirmed it, and only a Completed does")
         return await self._finish(
             "finish_delivery", "Finished", outcome, failure_reason,
             job_id=job_id,
             attempt_id=attempt_id,
             holder=holder,
+            confirmed_by=confirmed_by,
             outcome=outcome.value,
             failure_reason=failure_reason.value if failure_reason else None,
             summary=summary,

@@ -102,6 +102,8 @@ class JobRow(BaseModel):
     replacement_reason: str | None = None
     overwrite_agreement_ref: str | None = None
     sweep_count: int = 0
+    # How a Completed was confirmed: sha256, acknowledgment, size, reconciliation or correction.
+    confirmed_by: str | None = None
 
     @property
     def final_name(self) -> str:

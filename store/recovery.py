@@ -93,12 +93,17 @@ class Recovery:
         resolution: Status,
         evidence_summary: str,
         recovery_run_id: str | UUID,
+        *,
+        confirmed_by: str | None = None,
     ) -> bool:
         """Delivering -> Completed or OutcomeUnknown, with ResolvedByRecovery. The caller weighs the evidence;
-        Completed only when it matches the expected file."""
+        Completed only when it matches the expected file, saying what confirmed it (sha256, acknowledgment,
+        size)."""
         if resolution not in _RESOLUTIONS:
             # The statement refuses it too; failing here says why instead of matching nothing.
             raise ValueError(f"recovery resolves only to Completed or OutcomeUnknown, not {resolution}")
+        if (resolution is Status.COMPLETED) != (confirmed_by is not None):
+            raise ValueError("a Completed says what confirmed it, and only a Completed does")
         return await self._takeover(
             "recovery_resolve",
             job_id=job_id,
@@ -106,6 +111,7 @@ class Recovery:
             resolution=resolution.value,
             evidence_summary=evidence_summary,
             recovery_run_id=str(recovery_run_id),
+            confirmed_by=confirmed_by,
         )
 
     async def take_over_running(self, candidate: Candidate, recovery_run_id: str | UUID) -> str | None:

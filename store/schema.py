@@ -75,6 +75,7 @@ export_jobs = Table(
     Column("replacement_reason", Text),
     Column("overwrite_agreement_ref", Text),
     Column("sweep_count", Integer, nullable=False),
+    Column("confirmed_by", Text),
 )
 
 deliveries = Table(

@@ -30,5 +30,6 @@ async def drive(store: JobStore, job_id: uuid.UUID, target: Status,
     assert authorized is AuthorizationResult.AUTHORIZED, authorized
     if target is Status.DELIVERING:
         return attempt_id
-    assert await store.finish_delivery(job_id, attempt_id, target, failure, "arranged")
+    confirmed = "size" if target is Status.COMPLETED else None
+    assert await store.finish_delivery(job_id, attempt_id, target, failure, "arranged", confirmed_by=confirmed)
     return attempt_id

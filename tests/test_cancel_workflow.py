@@ -401,7 +401,8 @@ async def test_correction__before_a_queued_replacement_runs_ends_it_original_del
     try:
         dispatcher = OutboxDispatcher(h.client, engine, asyncpg_dsn(db.url("dispatcher")),
                                       task_queue=h.settings.task_queue, poll_seconds=0.2)
-        assert await dispatcher.dispatch_once() == 2  # the original's creation row and the replacement's
+        # The original's creation row, the correction's wake-up of the original, and the replacement's.
+        assert await dispatcher.dispatch_once() == 3
     finally:
         await engine.dispose()
     await assert_original_delivered(h, original, replacement)

@@ -1,5 +1,5 @@
-"""Evidence that cannot lie at the partner (matrix DV3), against a real SFTP server: the local asyncssh partner,
-whose hooks hold a request inside the server exactly as a slow or stuck server would."""
+"""Evidence that cannot lie at the partner (matrix DV2, DV3), against a real SFTP server (the local asyncssh partner,
+whose hooks hold a request inside the server exactly as a slow or stuck server would), PostgreSQL and Temporal."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from activities.partner import deliver
+from store.models import Status
 from starter.localstack.partner import LocalPartner
 from tests.partner_support import Evidence, bounded, make_file
+from tests.support import eventually
 
 
 @pytest.fixture
@@ -53,3 +55,25 @@ async def test_after_an_uncertain_rename_the_attempt_touches_neither_name(partne
     fresh = evidence.first("fresh_listing")
     assert fresh["failed_step"] == "rename" and fresh["outcome"] == "OutcomeUnknown"
     assert fresh.get("temp_left") is True  # and the evidence says why it is still there
+
+
+# --- DV2: how each Completed was confirmed, in the row and filterable -----------------------------------------------
+
+
+@pytest.mark.spec("DV2")
+@pytest.mark.parametrize("hash_evidence,confirmed_by", [("check_file", "sha256"), ("read_back", "sha256"),
+                                                        ("none", "size")])
+async def test_each_completed_records_how_it_was_confirmed_and_operators_filter_on_it(
+        harness, hash_evidence: str, confirmed_by: str):
+    h = harness
+    await h.db.admin.execute("UPDATE destinations SET hash_evidence = $1 WHERE id = $2", hash_evidence,
+                             h.destination_id)
+    job_id = await h.create()
+    row = await h.settled(job_id)
+    assert row.status is Status.COMPLETED and row.confirmed_by == confirmed_by
+
+    async def found() -> bool:
+        query = f"WorkflowId = 'export-{job_id}' AND ExportConfirmedBy = '{confirmed_by}'"
+        return bool([w async for w in h.client.list_workflows(query)])
+
+    assert await eventually(found, bool, timeout=10, interval=0.2, what=f"ExportConfirmedBy = '{confirmed_by}'")

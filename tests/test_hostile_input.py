@@ -252,3 +252,32 @@ async def test_the_ui_details_say_why_an_export_was_rejected(harness: Harness):
     assert (await h.settled(job_id)).status is Status.REJECTED
     details = await current_details(h, job_id)
     assert details.startswith("**Rejected**") and "rejected: destination 'partner' is disabled" in details, details
+
+
+# --- a cancel signal that found the row busy is asked again ---------------------------------------------------------
+
+
+@pytest.mark.spec("RQ4", "TW6")
+async def test_a_cancel_signal_that_finds_the_row_busy_is_asked_again_and_then_stops_the_build(
+        slow_build_harness: Harness):
+    h = slow_build_harness
+    job_id = await h.create()
+    await building(h, job_id)
+    locker = await h.db.connect("owner")
+    try:
+        await locker.execute("BEGIN")
+        await locker.execute("SELECT 1 FROM export_jobs WHERE id = $1 FOR UPDATE", job_id)
+        handle = h.client.get_workflow_handle(f"export-{job_id}", result_type=ExportResult)
+        request_id = uuid.uuid4()
+        await handle.signal("cancel", {"request_id": str(request_id), "tenant": str(h.tenant_id),
+                                       "operator": "ann@example.com", "reason": "busy row"})
+        busy = await eventually(lambda: current_details(h, job_id), lambda d: "Busy" in d or "busy" in d,
+                                timeout=10, interval=0.1, what="the first answer was Busy")
+        assert busy  # the lock outlasted lock_timeout: nothing recorded yet
+        assert await h.db.admin.fetchval("SELECT count(*) FROM cancellation_requests") == 0
+    finally:
+        await locker.execute("ROLLBACK")
+        await locker.close()
+    row = await h.settled(job_id)
+    assert row.status is Status.STOPPED and row.stop_request_id == request_id
+    assert await h.db.admin.fetchval("SELECT count(*) FROM cancellation_requests") == 1

@@ -266,7 +266,7 @@ def _terminal_call(faulty: JobStore, which: str, job_id: uuid.UUID, attempt_id: 
         return faulty.finish_stopped(job_id, attempt_id, "WhileBuilding")
     if which == "failed":
         return faulty.finish_failed(job_id, attempt_id, FailureCode.BUILD_FAILED, "disk full")
-    return faulty.finish_delivery(job_id, attempt_id, Status.COMPLETED, None, "confirmed")
+    return faulty.finish_delivery(job_id, attempt_id, Status.COMPLETED, None, "confirmed", confirmed_by="size")
 
 
 TERMINAL = {  # which -> (marker, expected status, its event)
@@ -314,7 +314,8 @@ async def test_terminal_write_lost_and_reread_refused__false_without_raising(db,
     proxy.refuse_new_connections()
     cut = proxy.cut_after_commit("WITH finished AS")
     with caplog.at_level(logging.WARNING, logger="store.jobs"):
-        written = await bounded(faulty.finish_delivery(job_id, attempt_id, Status.COMPLETED, None, "confirmed"))
+        written = await bounded(faulty.finish_delivery(job_id, attempt_id, Status.COMPLETED, None, "confirmed",
+                                                       confirmed_by="size"))
     assert cut.is_set() and written is False
     assert any("leaving it to recovery" in r.getMessage() for r in caplog.records)
     # It did commit: recovery, not this attempt, will find the row Completed.

@@ -123,16 +123,16 @@ async def refused(conn: asyncpg.Connection, *steps: tuple) -> asyncpg.PostgresEr
 async def test_app_role_cannot_complete_a_stopped_export(db, store, tenant, app):
     job_id, attempt = await arrange(db, store, tenant, "Stopped")
     before = await snapshot(db, job_id)
-    await refused(app, ("UPDATE export_jobs SET status = 'Completed' WHERE id = $1", job_id))
+    await refused(app, ("UPDATE export_jobs SET status = 'Completed', confirmed_by = 'size' WHERE id = $1", job_id))
     # Not with an event either: no event makes Stopped -> Completed a transition.
-    await refused(app, ("UPDATE export_jobs SET status = 'Completed' WHERE id = $1", job_id),
+    await refused(app, ("UPDATE export_jobs SET status = 'Completed', confirmed_by = 'size' WHERE id = $1", job_id),
                   (INSERT_EVENT, job_id, attempt, "Finished", None))
     assert await snapshot(db, job_id) == before
 
 
 # Each case: the state arranged, then an UPDATE (of the row $1) that changes a guarded column with no event.
 WITHOUT_EVENT = {
-    "running, completed": ("Running", "SET status = 'Completed', lease_expires_at = NULL"),
+    "running, completed": ("Running", "SET status = 'Completed', lease_expires_at = NULL, confirmed_by = 'size'"),
     "running, failed": ("Running", "SET status = 'Failed', failure_reason = 'BuildFailed', lease_expires_at = NULL"),
     "running, stopped": ("Running", "SET status = 'Stopped', lease_expires_at = NULL"),
     "running, delivering": ("Running", "SET status = 'Delivering', delivery_authorized_at = clock_timestamp()"),
@@ -152,15 +152,17 @@ WITHOUT_EVENT = {
     "queued, canceled unrecorded": ("Queued", "SET status = 'Canceled', cancellation_request_id = gen_random_uuid()"),
     "queued, leased": ("Queued", "SET lease_expires_at = clock_timestamp() + interval '1 hour'"),
     "queued, failure code": ("Queued", "SET status = 'Failed', failure_reason = 'BuildFailed'"),
-    "delivering, completed": ("Delivering", "SET status = 'Completed', lease_expires_at = NULL"),
+    "delivering, completed": ("Delivering",
+                              "SET status = 'Completed', lease_expires_at = NULL, confirmed_by = 'size'"),
     "delivering, outcome unknown": ("Delivering", "SET status = 'OutcomeUnknown', lease_expires_at = NULL"),
     "delivering, expected file": ("Delivering", "SET expected_file_name = 'other.csv'"),
     "delivering, holder": ("Delivering", "SET claimed_by = 'intruder'"),
     "failed, another code": ("Failed", "SET failure_reason = 'NotDelivered'"),
-    "failed, completed": ("Failed", "SET status = 'Completed', failure_reason = NULL"),
-    "completed, failed": ("Completed", "SET status = 'Failed', failure_reason = 'NotDelivered'"),
+    "failed, completed": ("Failed", "SET status = 'Completed', failure_reason = NULL, confirmed_by = 'size'"),
+    "completed, failed": ("Completed",
+                          "SET status = 'Failed', failure_reason = 'NotDelivered', confirmed_by = NULL"),
     "completed, lease": ("Completed", "SET lease_expires_at = clock_timestamp() + interval '1 hour'"),
-    "outcome unknown, completed": ("OutcomeUnknown", "SET status = 'Completed'"),
+    "outcome unknown, completed": ("OutcomeUnknown", "SET status = 'Completed', confirmed_by = 'size'"),
 }
 
 
@@ -236,8 +238,9 @@ async def test_reconciler_cannot_rewrite_a_job_without_its_event_but_its_stateme
     running, _ = await arrange(db, store, tenant, "Running")
     before = {job: await snapshot(db, job) for job in (completed, unknown, running)}
     for job_id, sql in (
-        (completed, "UPDATE export_jobs SET status = 'Failed', failure_reason = 'NotDelivered' WHERE id = $1"),
-        (unknown, "UPDATE export_jobs SET status = 'Completed' WHERE id = $1"),
+        (completed, "UPDATE export_jobs SET status = 'Failed', failure_reason = 'NotDelivered', confirmed_by = NULL "
+                    "WHERE id = $1"),
+        (unknown, "UPDATE export_jobs SET status = 'Completed', confirmed_by = 'size' WHERE id = $1"),
         (running, "UPDATE export_jobs SET status = 'Failed', failure_reason = 'BuildFailed' WHERE id = $1"),
         # Columns outside status and failure_reason are not the reconciler's at all.
         (running, "UPDATE export_jobs SET claimed_by = 'intruder' WHERE id = $1"),
@@ -262,7 +265,8 @@ async def test_reconciler_cannot_rewrite_a_job_without_its_event_but_its_stateme
 @pytest.mark.spec("GR1")
 async def test_the_owner_is_exempt(db, store, tenant):
     job_id, _ = await arrange(db, store, tenant, "Stopped")
-    assert await db.admin.execute("UPDATE export_jobs SET status = 'Completed' WHERE id = $1", job_id) == "UPDATE 1"
+    assert await db.admin.execute("UPDATE export_jobs SET status = 'Completed', confirmed_by = 'size' WHERE id = $1",
+                                  job_id) == "UPDATE 1"
     assert (await store.read_job(job_id)).status is Status.COMPLETED
 
 
@@ -390,7 +394,7 @@ async def test_every_documented_transition_still_commits(db, store, tenant, reco
     row = await store.read_job(job)
     assert await drive_authorize(store, row, attempt)
     assert await store.renew_lease(job, attempt)
-    assert await store.finish_delivery(job, attempt, Status.COMPLETED, None, "delivered")
+    assert await store.finish_delivery(job, attempt, Status.COMPLETED, None, "delivered", confirmed_by="sha256")
     assert await correct(reconciler, tenant_id=tenant_id, job_id=job, attempt_id=attempt,
                          recorded_status=Status.COMPLETED, corrected_status=Status.FAILED,
                          failure_reason=FailureCode.NOT_DELIVERED, corrected_by="rec@example",
@@ -438,7 +442,7 @@ async def test_every_documented_transition_still_commits(db, store, tenant, reco
     job = await create_job(store, tenant_id, destination_id)
     attempt = await drive(store, job, Status.DELIVERING)
     await expire(db, job)
-    assert await recovery.resolve(job, attempt, Status.COMPLETED, "file matches", "run-1")
+    assert await recovery.resolve(job, attempt, Status.COMPLETED, "file matches", "run-1", confirmed_by="sha256")
     job = await create_job(store, tenant_id, destination_id)
     await drive(store, job, Status.OUTCOME_UNKNOWN)
     job = await create_job(store, tenant_id, destination_id)

@@ -83,7 +83,7 @@ async def test_failure_code__tied_to_failed_directly_and_through_the_correction(
     tenant_id, destination_id = await seed_tenant(db.admin)
     job_id = await create_job(store, tenant_id, destination_id)
     attempt = await drive(store, job_id, Status.COMPLETED)
-    for sql in ("UPDATE export_jobs SET status = 'Failed' WHERE id = $1",
+    for sql in ("UPDATE export_jobs SET status = 'Failed', confirmed_by = NULL WHERE id = $1",
                 "UPDATE export_jobs SET failure_reason = 'NotDelivered' WHERE id = $1"):
         with pytest.raises(asyncpg.CheckViolationError) as refused:
             await db.admin.execute(sql, job_id)
@@ -102,7 +102,7 @@ async def test_failure_code__tied_to_failed_directly_and_through_the_correction(
                          failure_reason=FailureCode.NOT_DELIVERED, corrected_by="rec@example",
                          evidence_ref="ticket-2", why="partner confirmed")
     row = await store.read_job(other)
-    assert (row.status, row.failure_reason) == (Status.COMPLETED, None)
+    assert (row.status, row.failure_reason, row.confirmed_by) == (Status.COMPLETED, None, "correction")
 
 
 @pytest.mark.spec("RC4")

@@ -397,7 +397,8 @@ async def test_late_receipt_after_recovery_is_kept_and_changes_nothing(db, store
 
     # The superseded attempt's receipt arrives: appended as evidence; its terminal write matches nothing.
     await store.append_evidence(job.id, attempt_id, "worker-a", {"final_name": job.final_name, "size": 42})
-    assert not await store.finish_delivery(job.id, attempt_id, Status.COMPLETED, None, "uploaded")
+    assert not await store.finish_delivery(job.id, attempt_id, Status.COMPLETED, None, "uploaded",
+                                           confirmed_by="size")
     row = await store.read_job(job.id)
     assert (row.status, row.attempt_id, row.failure_reason, row.lease_expires_at) == (
         Status.OUTCOME_UNKNOWN, attempt_id, None, None)
@@ -415,10 +416,11 @@ async def test_resolve_to_completed_records_its_evidence_and_refuses_other_state
     await expire(db, job.id)
     with pytest.raises(ValueError):
         await recovery.resolve(job.id, attempt_id, Status.FAILED, "absent", RUN)
-    assert not await recovery.resolve(job.id, uuid.uuid4(), Status.COMPLETED, "listing matches", RUN)
-    assert await recovery.resolve(job.id, attempt_id, Status.COMPLETED, "listing matches", RUN)
+    assert not await recovery.resolve(job.id, uuid.uuid4(), Status.COMPLETED, "listing matches", RUN,
+                                      confirmed_by="size")
+    assert await recovery.resolve(job.id, attempt_id, Status.COMPLETED, "listing matches", RUN, confirmed_by="size")
     assert (await store.read_job(job.id)).status is Status.COMPLETED
     assert await db.admin.fetchval(
         "SELECT detail FROM export_attempt_events WHERE job_id = $1 AND kind = 'ResolvedByRecovery'", job.id
     ) == "Completed: listing matches"
-    assert not await recovery.resolve(job.id, attempt_id, Status.COMPLETED, "again", RUN)
+    assert not await recovery.resolve(job.id, attempt_id, Status.COMPLETED, "again", RUN, confirmed_by="size")

@@ -43,7 +43,9 @@ EXPORT_STATUS = SearchAttributeKey.for_keyword("ExportStatus")
 EXPORT_TENANT = SearchAttributeKey.for_keyword("ExportTenant")
 DELIVERY_KEY = SearchAttributeKey.for_keyword("DeliveryKey")
 EXPORT_ATTEMPTS = SearchAttributeKey.for_int("ExportAttempts")
-SEARCH_ATTRIBUTES = (EXPORT_STATUS, EXPORT_TENANT, DELIVERY_KEY, EXPORT_ATTEMPTS)
+# How a Completed was confirmed (sha256, acknowledgment, size, reconciliation, correction); absent otherwise.
+EXPORT_CONFIRMED_BY = SearchAttributeKey.for_keyword("ExportConfirmedBy")
+SEARCH_ATTRIBUTES = (EXPORT_STATUS, EXPORT_TENANT, DELIVERY_KEY, EXPORT_ATTEMPTS, EXPORT_CONFIRMED_BY)
 
 # Short steps on the shared queue: each is a conditional statement, safe to retry, but never without bound (about
 # four minutes of retries ride out a database restart); a definite refusal is not retried at all (the worker's
@@ -59,6 +61,9 @@ _UNCONFIRMED_CLAIM_RETRY = timedelta(seconds=5)
 # A build whose worker is lost resumes elsewhere this many times, each only while its lease renewal matches.
 _BUILD_RESUMPTIONS = 3
 _STOP_OUTCOMES = (CancellationOutcome.STOP_REQUESTED, CancellationOutcome.STOP_ALREADY_REQUESTED)
+# A cancellation that found its row locked (Busy) is asked again this many times, this far apart.
+_BUSY_RETRIES = 5
+_BUSY_RETRY_INTERVAL = timedelta(seconds=2)
 # Temporal's cancel of a run becomes one stop request, the same one however often the cancel is repeated.
 _TEMPORAL_CANCEL = uuid.UUID("5d0c7f3e-5e1b-4c52-9a4b-7d2f3c1e0a11")
 
@@ -75,9 +80,11 @@ class ExportWorkflow:
         self._temporal_cancel = False
         self._stop_seen = False
         self._build: workflow.ActivityHandle[BuildOutput] | None = None
-        self._shown: tuple[Status, int] | None = None
+        self._shown: tuple[Status, int, str | None] | None = None
         # What an operator asks in the UI (the workflow's current details): who asked what, and what came of it.
         self._asked: list[str] = []
+        self._busy: dict[uuid.UUID, int] = {}  # request ID -> how often its row was found locked
+        self._cancel_in_flight_later = 0
         self._why: str = ""
 
     @workflow.signal
@@ -171,7 +178,8 @@ class ExportWorkflow:
             # Another attempt holds the row, or the claim is unconfirmed: the next wake-up, or a timer, re-reads.
             await self._wait_for_wake()
         # Requests that arrived meanwhile are still recorded, one record per request ID.
-        await workflow.wait_condition(lambda: not self._cancels and not self._cancel_in_flight)
+        await workflow.wait_condition(
+            lambda: not self._cancels and not self._cancel_in_flight and not self._cancel_in_flight_later)
         canceller.cancel()
         return ExportResult(job_id=row.id, status=row.status, failure_reason=row.failure_reason)
 
@@ -195,7 +203,7 @@ class ExportWorkflow:
         if row is None:
             return
         if status is None or attempts is None:
-            status, attempts = self._shown or (row.status, row.attempt_count)
+            status, attempts = self._shown[:2] if self._shown else (row.status, row.attempt_count)
         lines = [f"**{status.value}**, attempt {attempts}"]
         if status is Status.FAILED and row.failure_reason:
             lines[0] += f": {row.failure_reason.value}"
@@ -204,6 +212,8 @@ class ExportWorkflow:
         if row.expected_file_name and status in (Status.DELIVERING, Status.COMPLETED, Status.OUTCOME_UNKNOWN):
             digest = row.expected_file_sha256.hex() if row.expected_file_sha256 else "?"
             lines.append(f"file {row.expected_file_name}, {row.expected_file_bytes} bytes, sha256 {digest}")
+        if status is Status.COMPLETED and row.confirmed_by:
+            lines.append(f"confirmed by {row.confirmed_by}")
         lines.extend(self._asked[-10:])
         if self._rejected_signals:
             lines.append(f"{len(self._rejected_signals)} signal(s) rejected: see the rejected_signals query")
@@ -213,17 +223,19 @@ class ExportWorkflow:
         """The search attributes follow every state the workflow learns of, from the row or from the step that
         just committed it (a claim, cutoff 2)."""
         self._describe(status, attempts)
-        if self._shown == (status, attempts):
-            return
-        self._shown = (status, attempts)
         row = self._row
         assert row is not None
+        confirmed_by = row.confirmed_by if status is Status.COMPLETED else None
+        if self._shown == (status, attempts, confirmed_by):
+            return
+        self._shown = (status, attempts, confirmed_by)
         workflow.upsert_search_attributes(
             [
                 EXPORT_STATUS.value_set(status.value),
                 EXPORT_TENANT.value_set(str(row.tenant_id)),
                 DELIVERY_KEY.value_set(row.delivery_key),
                 EXPORT_ATTEMPTS.value_set(attempts),
+                EXPORT_CONFIRMED_BY.value_set(confirmed_by) if confirmed_by else EXPORT_CONFIRMED_BY.value_unset(),
             ]
         )
 
@@ -346,6 +358,15 @@ class ExportWorkflow:
             workflow.logger.warning("stop of %s not written: %s; left to recovery", attempt.job.id, _cause(err))
         return None
 
+    async def _again_later(self, request: CancelRequest) -> None:
+        """Counted in `_cancel_in_flight_later` by the caller, before the task starts, so that the run does not end
+        while a request waits to be asked again."""
+        try:
+            await workflow.sleep(_BUSY_RETRY_INTERVAL)
+            self._cancels.append(request)
+        finally:
+            self._cancel_in_flight_later -= 1
+
     async def _serve_cancellations(self) -> None:
         while True:
             await workflow.wait_condition(lambda: bool(self._cancels))
@@ -371,6 +392,16 @@ class ExportWorkflow:
             reason = f": \"{request.reason}\"" if request.reason else ""
             self._asked.append(f"cancel by {request.requested_by}{reason} → {recorded.result.outcome.value}")
             self._describe()
+            if recorded.result.outcome is CancellationOutcome.BUSY:
+                # The row was locked longer than lock_timeout: nothing recorded. Ask again with the same request
+                # ID (its answer, if an earlier try committed after all, is the one recorded), a few times.
+                self._busy[request.request_id] = tries = self._busy.get(request.request_id, 0) + 1
+                if tries <= _BUSY_RETRIES:
+                    self._cancel_in_flight_later += 1
+                    asyncio.create_task(self._again_later(request))
+                    continue
+                self._rejected_signals.append(f"cancel {request.request_id} not recorded: the export stayed busy "
+                                              f"through {_BUSY_RETRIES} tries; send it again")
             if recorded.result.outcome in _STOP_OUTCOMES:
                 self._stop_seen = True
                 if self._build is not None:

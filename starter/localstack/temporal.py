@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 # Registered at start; on a production cluster, `temporal operator search-attribute create` (README).
 SEARCH_ATTRIBUTES = {"ExportStatus": "Keyword", "ExportTenant": "Keyword", "DeliveryKey": "Keyword",
-                     "ExportAttempts": "Int"}
+                     "ExportAttempts": "Int", "ExportConfirmedBy": "Keyword"}
 
 
 def temporal_binary() -> str:

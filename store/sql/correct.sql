@@ -4,7 +4,8 @@
 WITH corrected AS (
     UPDATE export_jobs
     SET status = :corrected_status,
-        failure_reason = CASE WHEN :corrected_status = 'Failed' THEN CAST(:failure_reason AS text) END
+        failure_reason = CASE WHEN :corrected_status = 'Failed' THEN CAST(:failure_reason AS text) END,
+        confirmed_by = CASE WHEN :corrected_status = 'Completed' THEN 'correction' END
     WHERE tenant_id = :tenant_id AND id = :job_id AND attempt_id = :attempt_id
       AND status = :recorded_status AND status IN ('Completed', 'Failed')
       AND :corrected_status IN ('Completed', 'Failed') AND :corrected_status <> :recorded_status

@@ -1,8 +1,9 @@
--- The attempt's terminal write after cutoff 2: Delivering -> Completed, Failed (with its code) or
--- OutcomeUnknown, for this attempt only.
+-- The attempt's terminal write after cutoff 2: Delivering -> Completed (with what confirmed it), Failed (with its
+-- code) or OutcomeUnknown, for this attempt only.
 WITH finished AS (
     UPDATE export_jobs
-    SET status = :outcome, failure_reason = CAST(:failure_reason AS text), lease_expires_at = NULL
+    SET status = :outcome, failure_reason = CAST(:failure_reason AS text), lease_expires_at = NULL,
+        confirmed_by = CAST(:confirmed_by AS text)
     WHERE id = :job_id AND attempt_id = :attempt_id AND status = 'Delivering'
       AND claimed_by = coalesce(CAST(:holder AS text), claimed_by)
       AND :outcome IN ('Completed', 'Failed', 'OutcomeUnknown')

@@ -4,7 +4,8 @@
 WITH reconciled AS (
     UPDATE export_jobs
     SET status = :resolution,
-        failure_reason = CASE WHEN :resolution = 'Failed' THEN 'NotDelivered' END
+        failure_reason = CASE WHEN :resolution = 'Failed' THEN 'NotDelivered' END,
+        confirmed_by = CASE WHEN :resolution = 'Completed' THEN 'reconciliation' END
     WHERE tenant_id = :tenant_id AND id = :job_id AND attempt_id = :attempt_id AND status = 'OutcomeUnknown'
       AND :resolution IN ('Completed', 'Failed')
     RETURNING id, attempt_id, status),

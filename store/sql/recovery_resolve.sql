@@ -3,7 +3,8 @@
 -- 'OutcomeUnknown'. The still-expired lease condition lets a renewal during recovery's lookup prevent this.
 WITH resolved AS (
     UPDATE export_jobs
-    SET status = :resolution, lease_expires_at = NULL
+    SET status = :resolution, lease_expires_at = NULL,
+        confirmed_by = CASE WHEN :resolution = 'Completed' THEN CAST(:confirmed_by AS text) END
     WHERE id = :job_id AND status = 'Delivering' AND attempt_id = :expired_attempt_id
       AND lease_expires_at < clock_timestamp()
       AND :resolution IN ('Completed', 'OutcomeUnknown')

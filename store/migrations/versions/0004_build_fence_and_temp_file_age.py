@@ -1,4 +1,4 @@
-"""Fenced builds and an agreed age for temporary files at the partner.
+"""Fenced builds, an agreed age for temporary files at the partner, and how each Completed was confirmed.
 
 - `BuildStarted`: every build of an attempt (the first, and each resumption after its worker went quiet) takes
   the attempt's build slot with one conditional statement that records the build's holder in `claimed_by` and
@@ -7,6 +7,9 @@
 - `destinations.temp_file_max_age_seconds`: the age after which the partner agreed that a temporary file of ours
   may be removed. Recovery cannot tell a dead worker from a paused one, so cleanup keys on this age, which must
   stay far above the deliver activity's six-hour timeout (the check allows no less than twelve hours).
+- `export_jobs.confirmed_by`: what made a Completed true (sha256, the partner's acknowledgment, size where the
+  contract accepts size, a reconciliation, a correction), so that operators can filter on it. A check ties it to
+  Completed. Existing Completed rows get it from the event that settled them.
 
 Revision ID: 0004
 Revises: 0003
@@ -42,9 +45,33 @@ def upgrade() -> None:
             ADD COLUMN temp_file_max_age_seconds int NOT NULL DEFAULT 604800
                 CONSTRAINT ck_destinations_temp_file_max_age CHECK (temp_file_max_age_seconds >= 43200)
     """)
+    op.execute("""
+        ALTER TABLE export_jobs ADD COLUMN confirmed_by text
+            CONSTRAINT ck_export_jobs_confirmed_by
+                CHECK (confirmed_by IN ('sha256', 'acknowledgment', 'size', 'reconciliation', 'correction'))
+    """)
+    # The latest settling event of each Completed row says how it was confirmed.
+    op.execute("""
+        UPDATE export_jobs j SET confirmed_by = CASE
+            WHEN e.kind = 'Corrected' THEN 'correction'
+            WHEN e.kind = 'Reconciled' THEN 'reconciliation'
+            WHEN e.detail LIKE '%confirmed by sha256%' THEN 'sha256'
+            WHEN e.detail LIKE '%acknowledgment%' THEN 'acknowledgment'
+            ELSE 'size' END
+        FROM (SELECT DISTINCT ON (job_id) job_id, kind, detail FROM export_attempt_events
+              WHERE kind IN ('Finished', 'ResolvedByRecovery', 'Reconciled', 'Corrected')
+              ORDER BY job_id, id DESC) e
+        WHERE e.job_id = j.id AND j.status = 'Completed'
+    """)
+    op.execute("UPDATE export_jobs SET confirmed_by = 'size' WHERE status = 'Completed' AND confirmed_by IS NULL")
+    op.execute("""
+        ALTER TABLE export_jobs ADD CONSTRAINT ck_export_jobs_confirmed
+            CHECK ((status = 'Completed') = (confirmed_by IS NOT NULL))
+    """)
 
 
 def downgrade() -> None:
+    op.execute("ALTER TABLE export_jobs DROP COLUMN confirmed_by")
     op.execute("ALTER TABLE destinations DROP COLUMN temp_file_max_age_seconds")
     op.execute("DELETE FROM export_attempt_events WHERE kind = 'BuildStarted'")
     op.execute("DROP INDEX uq_attempt_transition")

@@ -59,12 +59,12 @@ depends_on = None
 # Written by the application's statements; a job's identity columns are not among them.
 APP_COLUMNS = ("status, version, destination_id, attempt_id, attempt_count, claimed_by, lease_expires_at, "
                "stop_request_id, cancellation_request_id, expected_file_name, expected_file_bytes, "
-               "expected_file_sha256, delivery_authorized_at, woken_at, failure_reason, sweep_count")
+               "expected_file_sha256, delivery_authorized_at, woken_at, failure_reason, sweep_count, confirmed_by")
 
 GRANTS = f"""
 REVOKE UPDATE ON export_jobs FROM exports_app, exports_reconciler;
 GRANT UPDATE ({APP_COLUMNS}) ON export_jobs TO exports_app;
-GRANT UPDATE (status, failure_reason) ON export_jobs TO exports_reconciler;
+GRANT UPDATE (status, failure_reason, confirmed_by) ON export_jobs TO exports_reconciler;
 
 ALTER POLICY p_events_app ON export_attempt_events WITH CHECK (kind NOT IN ('Corrected', 'Reconciled'));
 """
@@ -149,14 +149,16 @@ BEGIN
         WHEN OLD.status = 'Delivering' AND NEW.status IN ('Completed', 'Failed', 'OutcomeUnknown') THEN
             kinds := '{Finished,ResolvedByRecovery}';  -- finish_delivery, recovery_resolve
             frozen.status := OLD.status; frozen.failure_reason := OLD.failure_reason;
-            frozen.lease_expires_at := OLD.lease_expires_at;
+            frozen.lease_expires_at := OLD.lease_expires_at; frozen.confirmed_by := OLD.confirmed_by;
         WHEN OLD.status = 'OutcomeUnknown' AND NEW.status IN ('Completed', 'Failed') THEN  -- reconcile.sql
             kinds := '{Reconciled}';
             frozen.status := OLD.status; frozen.failure_reason := OLD.failure_reason;
+            frozen.confirmed_by := OLD.confirmed_by;
         WHEN OLD.status IN ('Completed', 'Failed') AND NEW.status IN ('Completed', 'Failed')
              AND NEW.status <> OLD.status THEN  -- correct.sql
             kinds := '{Corrected}';
             frozen.status := OLD.status; frozen.failure_reason := OLD.failure_reason;
+            frozen.confirmed_by := OLD.confirmed_by;
         WHEN OLD.status IN ('Completed', 'Failed', 'Canceled', 'Rejected', 'Stopped') THEN
             refusal := format('export %s is settled (%s); it changes only by a correction', NEW.id, move);
             EXIT checks;
@@ -234,21 +236,23 @@ BEGIN
         -- sweep_count.
         RETURN (n.attempt_id, n.attempt_count, n.claimed_by, n.lease_expires_at, n.stop_request_id,
                 n.cancellation_request_id, n.expected_file_name, n.expected_file_bytes, n.expected_file_sha256,
-                n.delivery_authorized_at, n.failure_reason)
+                n.delivery_authorized_at, n.failure_reason, n.confirmed_by)
                IS DISTINCT FROM
                (o.attempt_id, o.attempt_count, o.claimed_by, o.lease_expires_at, o.stop_request_id,
                 o.cancellation_request_id, o.expected_file_name, o.expected_file_bytes, o.expected_file_sha256,
-                o.delivery_authorized_at, o.failure_reason);
+                o.delivery_authorized_at, o.failure_reason, o.confirmed_by);
     END IF;
     IF o.status IN ('Running', 'Delivering') AND n.lease_expires_at IS NOT NULL THEN
         -- A renewal changes only the lease, to a value, while the attempt holds the job.
         RETURN (n.status, n.version, n.destination_id, n.attempt_id, n.attempt_count, n.claimed_by,
                 n.stop_request_id, n.cancellation_request_id, n.expected_file_name, n.expected_file_bytes,
-                n.expected_file_sha256, n.delivery_authorized_at, n.woken_at, n.failure_reason, n.sweep_count)
+                n.expected_file_sha256, n.delivery_authorized_at, n.woken_at, n.failure_reason, n.sweep_count,
+                n.confirmed_by)
                IS DISTINCT FROM
                (o.status, o.version, o.destination_id, o.attempt_id, o.attempt_count, o.claimed_by,
                 o.stop_request_id, o.cancellation_request_id, o.expected_file_name, o.expected_file_bytes,
-                o.expected_file_sha256, o.delivery_authorized_at, o.woken_at, o.failure_reason, o.sweep_count);
+                o.expected_file_sha256, o.delivery_authorized_at, o.woken_at, o.failure_reason, o.sweep_count,
+                o.confirmed_by);
     END IF;
     RETURN true;
 END $$;
@@ -352,7 +356,7 @@ def downgrade() -> None:
         DROP FUNCTION exports_by_owner(oid);
         DROP INDEX ix_attempt_builds;
         ALTER POLICY p_events_app ON export_attempt_events WITH CHECK (kind <> 'Corrected');
-        REVOKE UPDATE (status, failure_reason) ON export_jobs FROM exports_reconciler;
+        REVOKE UPDATE (status, failure_reason, confirmed_by) ON export_jobs FROM exports_reconciler;
         REVOKE UPDATE (""" + APP_COLUMNS + """) ON export_jobs FROM exports_app;
         GRANT UPDATE ON export_jobs TO exports_app, exports_reconciler;
     """)
