@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from uuid import UUID
 
+import asyncssh
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -213,13 +214,20 @@ class ExportActivities:
             if build_task is not None:
                 build_task.cancel()
 
-        detail = "first build" if request.resumption == 0 else f"resumed ({request.resumption}) after its build went quiet"
+        detail = ("first build" if request.resumption == 0
+                  else f"resumed ({request.resumption}) after its build went quiet")
         if not await self.store.start_build(job.id, attempt_id, holder, detail):
             return BuildOutput(ended="LostOwnership")  # write nothing: another attempt owns the row now
         lease = self._keeper(job.id, attempt_id, holder, on_lost)
         handed_over = False
         try:
             async with self._heartbeating(lambda: dict(progress)):
+                refusal = await self._preflight(job)
+                if refusal is not None:
+                    code, why = refusal
+                    async with lease.terminal_write():
+                        await self.store.finish_failed(job.id, attempt_id, code, why, holder=holder)
+                    return BuildOutput(ended=code.value)
                 try:
                     async with StopWatch(self.store, asyncpg_dsn(self.settings.database_url), job.id, attempt_id,
                                          on_stop):
@@ -243,15 +251,6 @@ class ExportActivities:
                         await self.store.finish_failed(job.id, attempt_id, FailureCode.BUILD_FAILED, str(exc),
                                                        holder=holder)
                     return BuildOutput(ended="BuildFailed")
-            if job.replaces_job_id is None and await self._final_name_occupied(job):
-                # An original's name is unique to its key, so a file there is a conflict: end it now, from
-                # Running, where a stop request can still win, with nothing uploaded.
-                remove_local_file(path)
-                async with lease.terminal_write():
-                    await self.store.finish_failed(job.id, attempt_id, FailureCode.FINAL_NAME_OCCUPIED,
-                                                   f"{job.final_name} exists at the partner before delivery",
-                                                   holder=holder)
-                return BuildOutput(ended="FinalNameOccupied")
             self._hand_over(lease)
             handed_over = True
             return BuildOutput(
@@ -276,17 +275,25 @@ class ExportActivities:
             return BuildOutput(ended="Stopped")
         return None
 
-    async def _final_name_occupied(self, job: JobRow) -> bool:
-        """The preparation's look at the final name. Unreachable is not occupied: the delivery looks again and
-        records the baseline that counts."""
+    async def _preflight(self, job: JobRow) -> tuple[FailureCode, str] | None:
+        """The preparation's look at the partner, before the build: what ends the attempt now, from Running (where a
+        stop request can still win) and before cutoff 2 spends anything. An unreachable partner is not a reason:
+        the delivery looks again and records the baseline that counts."""
         destination = await self.store.read_destination(job.tenant_id, job.destination_id)
         if destination is None:
-            return False
+            return None
+        config = partner.DestinationConfig.from_row(destination)
         try:
-            return (await partner.list_final(partner.DestinationConfig.from_row(destination), job.final_name)).exists
+            final = await partner.preflight(config, job.final_name)
+        except (partner.HostKeyMismatch, partner.FinalDirMissing, asyncssh.PermissionDenied, ValueError) as exc:
+            return FailureCode.NOT_DELIVERED, f"preparation: {type(exc).__name__}: {exc}"
         except Exception as exc:
-            log.warning("preparation could not list %s for %s: %s", job.final_name, job.id, exc)
-            return False
+            log.warning("preparation could not look at %s for %s: %s", job.final_name, job.id, exc)
+            return None
+        if final.exists and job.replaces_job_id is None:
+            # An original's name is unique to its key, so a file there is a conflict: nothing is uploaded.
+            return FailureCode.FINAL_NAME_OCCUPIED, f"{job.final_name} exists at the partner before delivery"
+        return None
 
     @activity.defn
     async def stop_attempt(self, request: AttemptInput) -> bool:

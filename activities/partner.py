@@ -37,11 +37,27 @@ AFTER_FAILURE_TIMEOUT_SECONDS = 10.0
 Step = Literal["connect", "baseline", "upload", "rename", "confirm"]
 _NOTHING_WRITTEN_YET: frozenset[str] = frozenset({"connect", "baseline"})
 
-# A rename refused by the server with a status reply: the request was processed and not carried out. SFTP v3
-# reports "name exists" as a plain failure; v5+ has its own code. SFTPConnectionLost is deliberately absent:
-# it is an SFTPError the client makes up itself when the channel dies, and says nothing about what the server
-# did.
-_RENAME_REFUSED = (asyncssh.SFTPFailure, asyncssh.SFTPFileAlreadyExists)
+
+
+def _refused_by_server(exc: BaseException) -> bool:
+    """A status reply from the server: the request was processed and not carried out, whatever its code (SFTP v3
+    reports "name exists" as a plain failure, a missing directory as no such file). SFTPConnectionLost and
+    SFTPNoConnection are SFTPErrors the client makes up itself when the channel dies: they say nothing about what
+    the server did."""
+    return isinstance(exc, asyncssh.SFTPError) and not isinstance(
+        exc, (asyncssh.SFTPConnectionLost, asyncssh.SFTPNoConnection))
+
+
+@asynccontextmanager
+async def _within(seconds: float) -> AsyncIterator[None]:
+    """asyncio.timeout whose TimeoutError says what did not answer, and within how long."""
+    try:
+        async with asyncio.timeout(seconds):
+            yield
+    except TimeoutError as exc:
+        if str(exc):
+            raise
+        raise TimeoutError(f"no answer from the partner within {seconds:g} s") from None
 
 # What a delivery catches and classifies. Exception, not a list of transport errors: an unexpected error
 # in the middle of an upload leaves the partner side just as uncertain, and the caller still needs an outcome.
@@ -270,6 +286,10 @@ class HostKeyMismatch(Exception):
     """The server presented a host key other than the pinned one."""
 
 
+class FinalDirMissing(Exception):
+    """The partner has no final directory: no rename could ever publish the file."""
+
+
 class UploadIncomplete(Exception):
     """The temporary file does not hold exactly the bytes of the local file, so it must not be renamed."""
 
@@ -364,6 +384,23 @@ async def _listing(sftp: asyncssh.SFTPClient, path: str) -> RemoteFile:
     return RemoteFile(path=path, exists=True, size=attrs.size, mtime=attrs.mtime)
 
 
+async def _require_final_dir(sftp: asyncssh.SFTPClient, dest: DestinationConfig) -> None:
+    try:
+        await sftp.stat(dest.final_dir)
+    except asyncssh.SFTPNoSuchFile:
+        raise FinalDirMissing(f"final directory {dest.final_dir} does not exist at the partner") from None
+
+
+async def preflight(dest: DestinationConfig, final_name: str, *, timeout: float = 10.0) -> RemoteFile:
+    """The preparation's look, before the build: connect with the pinned key and the credential, require the final
+    directory, and list the final name. Raises HostKeyMismatch, ValueError (an unusable credential or key),
+    asyncssh.PermissionDenied (the credential is refused) or FinalDirMissing for what no retry can mend."""
+    async with _within(timeout * 3):
+        async with connect(dest, connect_timeout=timeout) as sftp:
+            await _require_final_dir(sftp, dest)
+            return await _listing(sftp, posixpath.join(dest.final_dir, final_name))
+
+
 async def list_final(dest: DestinationConfig, final_name: str, *, timeout: float = 10.0) -> RemoteFile:
     """The final name as the partner shows it now, on a connection of its own (recovery's evidence)."""
     async with asyncio.timeout(timeout):
@@ -429,11 +466,11 @@ async def _content_sha256(sftp: asyncssh.SFTPClient, dest: DestinationConfig, pa
                           operation_timeout: float) -> str | None:
     """The SHA-256 (hex) of the partner's file, by the means its contract offers; None where it offers none."""
     if dest.contract.hash_evidence == "check_file":
-        async with asyncio.timeout(operation_timeout):
+        async with _within(operation_timeout):
             return await check_file_sha256(sftp, path)
     if dest.contract.hash_evidence == "read_back":
         digest = hashlib.sha256()
-        async with asyncio.timeout(operation_timeout):
+        async with _within(operation_timeout):
             async with sftp.open(path, "rb") as remote:
                 while chunk := await remote.read(256 * 1024):
                     digest.update(chunk)
@@ -448,7 +485,7 @@ async def _acknowledged_sha256(sftp: asyncssh.SFTPClient, dest: DestinationConfi
         return None
     path = posixpath.join(dest.contract.acknowledgment_dir, f"{final_name}.ack")
     try:
-        async with asyncio.timeout(operation_timeout):
+        async with _within(operation_timeout):
             async with sftp.open(path, "r") as ack:
                 text = await ack.read(4096)
     except asyncssh.SFTPNoSuchFile:
@@ -516,14 +553,14 @@ async def _upload(
     loop = asyncio.get_running_loop()
     started = loop.time()
     sent = 0
-    async with asyncio.timeout(operation_timeout):
+    async with _within(operation_timeout):
         # "wb" truncates: a temporary file left by an earlier attempt under the same name is simply replaced.
         remote = await sftp.open(temp_path, "wb")
     # On failure the handle is not closed here: closing the connection releases it.
     # Local reads are small and blocking; a thread per chunk would cost more than the read.
     with open(local_path, "rb") as local:
         while chunk := local.read(chunk_size):
-            async with asyncio.timeout(operation_timeout):
+            async with _within(operation_timeout):
                 await remote.write(chunk, sent)
             sent += len(chunk)
             if on_progress is not None:
@@ -533,7 +570,7 @@ async def _upload(
                 ahead = sent / throttle_bytes_per_second - (loop.time() - started)
                 if ahead > 0:
                     await asyncio.sleep(ahead)
-    async with asyncio.timeout(operation_timeout):
+    async with _within(operation_timeout):
         await remote.close()
         attrs = await sftp.stat(temp_path)
     # The rename publishes whatever the temporary file holds, so it must be exactly the measured file.
@@ -578,7 +615,7 @@ def classify(exc: BaseException, step: Step, fresh_listing: RemoteFile | None) -
                 summary=f"not delivered: upload failed before the rename was sent ({error}); "
                         "final name still absent",
             )
-        if step == "rename" and isinstance(exc, _RENAME_REFUSED):
+        if step == "rename" and _refused_by_server(exc):
             return DeliveryResult(
                 outcome="Failed", failure_reason="NotDelivered",
                 summary=f"not delivered: the server refused the rename ({error}); final name still absent",
@@ -665,7 +702,8 @@ async def deliver(
         total = os.path.getsize(local_path)
         async with connect(dest) as sftp:
             step = "baseline"
-            async with asyncio.timeout(operation_timeout):
+            async with _within(operation_timeout):
+                await _require_final_dir(sftp, dest)
                 baseline = await _listing(sftp, final_path)
             await _record(record_evidence, {"step": "baseline", "final": baseline.model_dump()})
             if baseline.exists:
@@ -699,7 +737,7 @@ async def deliver(
             await _record(record_evidence, {"step": "rename", "temp": temp_path, "final": final_path,
                                             "bytes": total})
             step = "rename"
-            async with asyncio.timeout(operation_timeout):
+            async with _within(operation_timeout):
                 if overwrite:
                     # Only a replacement with the partner's recorded agreement may replace the final file.
                     await sftp.posix_rename(temp_path, final_path)
@@ -708,7 +746,7 @@ async def deliver(
                     # listing is never replaced.
                     await sftp.rename(temp_path, final_path)
             step = "confirm"
-            async with asyncio.timeout(operation_timeout):
+            async with _within(operation_timeout):
                 receipt = await _listing(sftp, final_path)
             if receipt.exists and receipt.size == total:
                 try:
@@ -769,7 +807,7 @@ async def _after_failure(
     # then unlinks the old one): removing the temporary name now could make it take the final name back. So after
     # an uncertain rename, or once it was acknowledged, touch nothing; the partner sweep removes the temporary file
     # later, by its age.
-    settled = step == "upload" or (step == "rename" and isinstance(exc, _RENAME_REFUSED))
+    settled = step == "upload" or (step == "rename" and _refused_by_server(exc))
     listing, listing_error = await _fresh_listing_and_cleanup(dest, final_path, temp_path, timeout,
                                                               remove_temp=settled)
     result = classify(exc, step, listing)

@@ -1,4 +1,4 @@
-"""Evidence that cannot lie at the partner (matrix DV2, DV3), against a real SFTP server (the local asyncssh partner,
+"""Evidence that cannot lie at the partner (matrix DV2, DV3, DV4), against a real SFTP server (the local asyncssh partner,
 whose hooks hold a request inside the server exactly as a slow or stuck server would), PostgreSQL and Temporal."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import asyncssh
 import pytest
 
 from activities.partner import deliver
@@ -77,3 +78,80 @@ async def test_each_completed_records_how_it_was_confirmed_and_operators_filter_
         return bool([w async for w in h.client.list_workflows(query)])
 
     assert await eventually(found, bool, timeout=10, interval=0.2, what=f"ExportConfirmedBy = '{confirmed_by}'")
+
+
+# --- DV4: classification is consistent and early; reasons name what failed -----------------------------------------
+
+
+@pytest.mark.spec("DV4")
+@pytest.mark.parametrize("refusal", [asyncssh.SFTPNoSuchFile, asyncssh.SFTPPermissionDenied, asyncssh.SFTPFailure])
+async def test_a_rename_the_server_refused_is_not_delivered_whatever_the_code(partner: LocalPartner, tmp_path: Path,
+                                                                              refusal):
+    local = tmp_path / "contacts.csv"
+    make_file(local, 32 * 1024)
+
+    async def refuse(old: str, new: str) -> None:
+        raise refusal("refused by the partner's server")
+
+    partner.hooks.before_rename = refuse
+    result = await bounded(deliver(partner.destination(), str(local), "contacts-k.csv", ".contacts-k.csv.a.part",
+                                   record_evidence=Evidence()))
+    assert (result.outcome, result.failure_reason) == ("Failed", "NotDelivered"), result
+    assert refusal.__name__ in result.summary
+    assert list((partner.root / "outbound").iterdir()) == []
+
+
+@pytest.mark.spec("DV4")
+async def test_a_missing_final_directory_ends_the_delivery_before_any_upload(partner: LocalPartner, tmp_path: Path):
+    local = tmp_path / "contacts.csv"
+    make_file(local, 32 * 1024)
+    dest = partner.destination().model_copy(update={"final_dir": "/no-such-dir"})
+    written: list[str] = []
+
+    async def on_write(path: str, offset: int) -> None:
+        written.append(path)
+
+    partner.hooks.on_write = on_write
+    evidence = Evidence()
+    result = await bounded(deliver(dest, str(local), "contacts-k.csv", ".contacts-k.csv.a.part",
+                                   record_evidence=evidence))
+    assert (result.outcome, result.failure_reason) == ("Failed", "NotDelivered"), result
+    assert "/no-such-dir" in result.summary and "does not exist" in result.summary
+    assert written == [] and list((partner.root / "incoming-tmp").iterdir()) == []
+
+
+@pytest.mark.spec("DV4")
+async def test_a_timeout_says_which_step_timed_out(partner: LocalPartner, tmp_path: Path):
+    local = tmp_path / "contacts.csv"
+    make_file(local, 32 * 1024)
+    stuck = asyncio.Event()
+
+    async def hang(path: str, offset: int) -> None:
+        await stuck.wait()
+
+    partner.hooks.on_write = hang
+    try:
+        result = await bounded(deliver(partner.destination(), str(local), "contacts-k.csv",
+                                       ".contacts-k.csv.a.part", record_evidence=Evidence(), operation_timeout=0.5,
+                                       after_failure_timeout=5.0))
+    finally:
+        stuck.set()
+    assert (result.outcome, result.failure_reason) == ("Failed", "NotDelivered"), result
+    assert "TimeoutError: no answer from the partner within 0.5 s" in result.summary, result.summary
+
+
+@pytest.mark.spec("DV4")
+async def test_an_unusable_host_key_found_while_preparing_ends_the_attempt_before_the_build(harness):
+    h = harness
+    other = asyncssh.generate_private_key("ssh-ed25519").export_public_key().decode().strip()
+    await h.db.admin.execute("UPDATE destinations SET host_key = $1 WHERE id = $2", other, h.destination_id)
+    job_id = await h.create()
+    row = await h.settled(job_id)
+    assert (row.status, row.failure_reason) == (Status.FAILED, "NotDelivered")
+    kinds = [r["kind"] for r in await h.db.admin.fetch(
+        "SELECT kind FROM export_attempt_events WHERE job_id = $1 ORDER BY id", job_id)]
+    assert kinds == ["Claimed", "BuildStarted", "Failed"]  # no cutoff 2: the key spent nothing
+    detail = await h.db.admin.fetchval("SELECT detail FROM export_attempt_events WHERE job_id = $1 "
+                                       "AND kind = 'Failed'", job_id)
+    assert "host key" in detail and "ssh-ed25519" in detail, detail
+    assert list(Path(h.settings.work_dir).glob("*.csv")) == []
