@@ -1,54 +1,211 @@
-"""The `exports` command line. Bad input is one clear line on stderr, exit status 2, and changes nothing."""
+"""The `exports` command line. Whatever goes wrong is one line on stderr and a documented exit status (README,
+"Bad input ..."), never a traceback; text that operators typed is printed literally, control characters escaped."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import os
 import sys
+import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn, Optional, TypeVar
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
+from temporalio.service import RPCError, RPCStatusCode
+from typer.core import TyperGroup
 
-from starter.client import ExportsClient, ExportView, InputError
-from starter.temporal import connect_temporal
+try:  # typer 0.2x carries its own click
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # pragma: no cover - older typer on click
+    from click import exceptions as click_exceptions
+
+from activities.contracts import CancelRequest
+from starter.client import (
+    ExportsClient,
+    ExportView,
+    InputError,
+    SignalNotSent,
+    check_database,
+    database_engine,
+    parse_id,
+)
+from starter.destinations import destinations_app
+from starter import temporal as temporal_connections
+from starter.temporal import CONNECT_TIMEOUT_SECONDS, Unreachable, connect_temporal, short_reason
+from store import errors
 from store.errors import StoreError
-from store.models import CancellationOutcome
-from store.settings import get_settings
+from store.models import CancellationOutcome, CancellationResult
+from store.settings import Settings, get_settings
 
-app = typer.Typer(help="Partner exports on Temporal.", no_args_is_help=True, add_completion=False)
-console = Console()
 T = TypeVar("T")
 
-EXIT_BAD_INPUT = 2
+EXIT_UNEXPECTED = 1  # a bug: one line; EXPORTS_TRACEBACK=1 prints the traceback as well
+EXIT_BAD_INPUT = 2  # nothing was written
 EXIT_NOT_DONE = 3  # nothing changed (Busy, or the row moved on): read it again, retry with the same request ID
-EXIT_REFUSED = 4
+EXIT_REFUSED = 4  # the database (or Temporal) refused it, e.g. a role that may not do this: nothing changed
+EXIT_UNREACHABLE = 5  # PostgreSQL or Temporal could not be reached (not configured, refused, silent)
+EXIT_INTERRUPTED = 130  # Ctrl-C
+
+MAX_LINE = 1000
+_UNAVAILABLE = (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED)
 
 
-def fail(message: str, code: int = 2) -> NoReturn:
-    """One line on stderr, never wrapped, and the exit status."""
-    print(message, file=sys.stderr)
+def literal(value: object) -> str:
+    """Text exactly as typed, safe for a terminal: every character that is not printable (ESC and the other
+    control characters, bidirectional overrides, line separators, undecodable bytes) shown as its escape, e.g.
+    \\x1b, \\n, \\u202e."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def cell(value: object) -> Text:
+    """A table cell that rich prints as it is: no markup, no emoji codes, no highlighting."""
+    return Text(literal(value))
+
+
+def say(message: str) -> None:
+    """One line on stderr, never wrapped, never markup, control characters escaped."""
+    line = literal(message)
+    print(line if len(line) <= MAX_LINE else line[:MAX_LINE] + "...(cut)", file=sys.stderr)
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
+    """One line on stderr and the exit status."""
+    say(message)
     raise typer.Exit(code)
 
 
-def _run(body: Callable[[ExportsClient], Awaitable[T]], *, temporal: bool = False) -> T:
-    async def main() -> T:
-        settings = get_settings()
-        client = ExportsClient.from_settings(settings, await connect_temporal(settings) if temporal else None)
+def answer(exc: Exception) -> tuple[int, str]:
+    """The exit status and the one line for an exception that ended a command."""
+    if isinstance(exc, InputError):
+        return EXIT_BAD_INPUT, f"error: {exc}"
+    if isinstance(exc, Unreachable):
+        return EXIT_UNREACHABLE, f"unreachable: {exc}; nothing was written"
+    if isinstance(exc, SignalNotSent):
+        if exc.error.status in _UNAVAILABLE:
+            code, prefix = EXIT_UNREACHABLE, "unreachable: Temporal (EXPORTS_TEMPORAL_ADDRESS)"
+        else:
+            code, prefix = EXIT_REFUSED, "refused by Temporal"
+        return code, (f"{prefix}: {exc}; the cancellation stands (the row decides): run the same command with "
+                      f"--request-id {exc.result.request_id} to signal the workflow again")
+    if isinstance(exc, RPCError):
+        if exc.status in _UNAVAILABLE:
+            return EXIT_UNREACHABLE, f"unreachable: Temporal (EXPORTS_TEMPORAL_ADDRESS): {exc.message}"
+        return EXIT_REFUSED, f"refused by Temporal: {exc.message}"
+    if isinstance(exc, StoreError):  # a definite refusal from the database, e.g. a role that may not do this
+        return EXIT_REFUSED, f"refused: {exc}"
+    if errors.is_uncertain(exc) and _from_database(exc):
+        return EXIT_UNREACHABLE, (f"unreachable: the connection to PostgreSQL was lost during the command "
+                                  f"({short_reason(exc)}); it may or may not have been recorded: read the export "
+                                  f"again (exports show) before retrying")
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return EXIT_UNREACHABLE, f"unreachable: a connection was lost or not answered ({short_reason(exc)})"
+    server = errors.postgres_error(exc)
+    if server is not None:  # the server answered and refused the statement; its transaction rolled back
+        return EXIT_REFUSED, f"refused by PostgreSQL: {server}"
+    return EXIT_UNEXPECTED, (f"error: unexpected {type(exc).__name__}: {exc} (a bug; EXPORTS_TRACEBACK=1 prints "
+                             f"the traceback)")
+
+
+def _from_database(exc: BaseException) -> bool:
+    """Whether the driver or SQLAlchemy raised it, or wrapped it, on the way out."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if type(current).__module__.split(".")[0] in ("asyncpg", "sqlalchemy"):
+            return True
+        seen.add(id(current))
+        current = getattr(current, "orig", None) or current.__cause__ or current.__context__
+    return False
+
+
+class ExportsGroup(TyperGroup):
+    """The root command: turns every way a command can end into one line and an exit status."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        code = self._exit_status(args, prog_name, complete_var, **extra)
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+    def _exit_status(self, args: Any, prog_name: str | None, complete_var: str | None, **extra: Any) -> int:
         try:
+            result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            return result if isinstance(result, int) else 0  # typer.Exit(code) comes back as its code
+        except click_exceptions.NoArgsIsHelpError as exc:  # a bare `exports`: its help, as --help prints it
+            text = exc.ctx.get_help()
+            if text:
+                print(text)
+            return 0
+        except click_exceptions.UsageError as exc:
+            hint = f" (see {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
+            say(f"error: {exc.format_message()}{hint}")
+            return EXIT_BAD_INPUT
+        except click_exceptions.ClickException as exc:
+            say(f"error: {exc.format_message()}")
+            return EXIT_BAD_INPUT
+        except typer.Abort:
+            say("interrupted")
+            return EXIT_INTERRUPTED
+        except Exception as exc:
+            code, line = answer(exc)
+            if code == EXIT_UNEXPECTED and os.environ.get("EXPORTS_TRACEBACK") == "1":
+                traceback.print_exc()
+            say(line)
+            return code
+
+
+app = typer.Typer(help="Partner exports on Temporal.", no_args_is_help=True, add_completion=False,
+                  cls=ExportsGroup, pretty_exceptions_enable=False)
+# Markup, emoji codes and highlighting off: what operators typed is printed as they typed it.
+console = Console(markup=False, emoji=False, highlight=False)
+
+
+def _settings() -> Settings:
+    """The settings, or one line naming the EXPORTS_* variable that does not parse."""
+    try:
+        return get_settings()
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        name = f"setting EXPORTS_{str(first['loc'][0]).upper()}" if first["loc"] else "settings"
+        raise InputError(f"{name}: {first['msg'].removeprefix('Value error, ')}") from None
+
+
+async def _reach_database(url: str, setting: str) -> None:
+    """Unreachable unless PostgreSQL at this URL answers a connection within the bound."""
+    engine = database_engine(url, setting, pool_size=1)
+    try:
+        await check_database(engine, setting)
+    finally:
+        await engine.dispose()
+
+
+def _run(body: Callable[[ExportsClient], Awaitable[T]], *, temporal: bool = False, database: bool = True) -> T:
+    """Connects (Temporal first when the command needs it, then PostgreSQL), each within the bound, before
+    anything is written; the command's answer, or its exception for ExportsGroup to put in one line. Commands
+    that run as the reconciliation role (database=False) check that role's connection instead."""
+
+    async def main() -> T:
+        settings = _settings()
+        temporal_client = await connect_temporal(settings, timeout=CONNECT_TIMEOUT_SECONDS) if temporal else None
+        client = ExportsClient.from_settings(settings, temporal_client)
+        try:
+            if database:
+                await client.check_database()
             return await body(client)
         finally:
             await client.close()
 
-    try:
-        return asyncio.run(main())
-    except InputError as exc:
-        fail(f"error: {exc}", EXIT_BAD_INPUT)
-    except StoreError as exc:  # a definite refusal from the database, e.g. a role that may not do this
-        fail(f"refused: {exc}", EXIT_REFUSED)
+    return asyncio.run(main())
 
 
 @app.command()
@@ -56,7 +213,12 @@ def migrate() -> None:
     """Apply the database migrations as the owner role (EXPORTS_OWNER_DATABASE_URL)."""
     from store.db import migrate as run_migrations
 
-    asyncio.run(run_migrations(get_settings().owner_database_url))
+    async def main() -> None:
+        url = _settings().owner_database_url
+        await _reach_database(url, "EXPORTS_OWNER_DATABASE_URL")
+        await run_migrations(url)
+
+    asyncio.run(main())
     console.print("migrations applied")
 
 
@@ -82,9 +244,24 @@ def cancel(
     reason: Optional[str] = typer.Option(None, help="why"),
     request_id: Optional[str] = typer.Option(None, help="reuse it to retry the same click after Busy"),
 ) -> None:
-    """Cancel an export: recorded under the row lock, then signalled to its workflow."""
-    result = _run(lambda c: c.cancel(tenant_id=tenant, job_id=job_id, requested_by=operator, reason=reason,
-                                     request_id=request_id), temporal=True)
+    """Cancel an export: recorded under the row lock, then signalled to its workflow. The row is written first,
+    whether or not Temporal answers: the signal only makes the stop faster, and the line says if it went out."""
+
+    async def record_then_signal(c: ExportsClient) -> CancellationResult:
+        result = await c.cancel(tenant_id=tenant, job_id=job_id, requested_by=operator, reason=reason,
+                                request_id=request_id)  # no Temporal client yet: the row only
+        if result.recorded:
+            request = CancelRequest(request_id=result.request_id, tenant_id=parse_id(tenant, "tenant ID"),
+                                    requested_by=operator, reason=reason)
+            try:
+                c.temporal = await connect_temporal(_settings(), timeout=CONNECT_TIMEOUT_SECONDS)
+                await c.signal_cancellation(parse_id(job_id, "job ID"), request, result)
+            except (Unreachable, SignalNotSent) as exc:
+                print(literal(f"warning: {result.outcome.value} is recorded, but the workflow was not signalled "
+                              f"({exc}); the row decides, and a build still stops"), file=sys.stderr)
+        return result
+
+    result = _run(record_then_signal)
     if result.outcome is CancellationOutcome.NOT_FOUND:
         fail(f"error: export {job_id} not found for tenant {tenant}", EXIT_BAD_INPUT)
     if result.outcome is CancellationOutcome.REQUEST_ID_REUSED:
@@ -138,7 +315,7 @@ def reconcile_command(
 ) -> None:
     """Settle an OutcomeUnknown export once, from evidence."""
     done = _run(lambda c: c.reconcile(tenant_id=tenant, job_id=job_id, attempt_id=attempt, outcome=outcome,
-                                      reconciled_by=by, evidence=evidence))
+                                      reconciled_by=by, evidence=evidence), database=False)
     if not done:
         fail(f"not reconciled: export {job_id} is not OutcomeUnknown for attempt {attempt}", EXIT_NOT_DONE)
     console.print(f"reconciled as {outcome}")
@@ -159,7 +336,7 @@ def correct_command(
     """Correct a recorded Completed or Failed, once per attempt (reconciliation role only)."""
     done = _run(lambda c: c.correct(tenant_id=tenant, job_id=job_id, attempt_id=attempt, recorded=recorded,
                                     corrected=corrected, failure_reason=failure_reason, corrected_by=by,
-                                    evidence_ref=evidence, why=why))
+                                    evidence_ref=evidence, why=why), database=False)
     if not done:
         fail(f"not corrected: export {job_id} is not {recorded} for attempt {attempt}", EXIT_NOT_DONE)
     console.print(f"corrected from {recorded} to {corrected}")
@@ -179,18 +356,20 @@ def show(
     table = Table(show_header=False, box=None)
     for name, value in view.row.model_dump().items():
         if value is not None:
-            table.add_row(name, value.hex() if isinstance(value, bytes) else str(value))
+            table.add_row(cell(name), cell(value.hex() if isinstance(value, bytes) else value))
     console.print(table)
     if view.events:
         events = Table("event", "attempt", "by", "detail", "at", title="attempt events")
         for e in view.events:
-            events.add_row(e["kind"], str(e["attempt_id"])[:8], e["worker_id"] or e["observed_by"] or "",
-                           (e["detail"] or "")[:80], str(e["recorded_at"]))
+            events.add_row(cell(e["kind"]), cell(str(e["attempt_id"])[:8]),
+                           cell(e["worker_id"] or e["observed_by"] or ""), cell((e["detail"] or "")[:80]),
+                           cell(e["recorded_at"]))
         console.print(events)
     if view.cancellation_requests:
         requests = Table("request", "by", "outcome", "found", "at", title="cancellation requests")
         for r in view.cancellation_requests:
-            requests.add_row(str(r["id"]), r["requested_by"], r["outcome"], r["found_status"], str(r["recorded_at"]))
+            requests.add_row(cell(r["id"]), cell(r["requested_by"]), cell(r["outcome"]), cell(r["found_status"]),
+                             cell(r["recorded_at"]))
         console.print(requests)
 
 
@@ -201,6 +380,7 @@ def _view_json(view: ExportView) -> dict[str, Any]:
 
 schedules_app = typer.Typer(help="The Temporal Schedules that run recovery and the sweeper.")
 app.add_typer(schedules_app, name="schedules")
+app.add_typer(destinations_app, name="destinations")
 
 
 @schedules_app.command("install")
@@ -209,11 +389,11 @@ def schedules_install() -> None:
     from starter.schedules import install_schedules
 
     async def main() -> dict[str, str]:
-        settings = get_settings()
-        return await install_schedules(await connect_temporal(settings), settings)
+        settings = _settings()
+        return await install_schedules(await connect_temporal(settings, timeout=CONNECT_TIMEOUT_SECONDS), settings)
 
     for schedule_id, done in asyncio.run(main()).items():
-        console.print(f"{schedule_id}: {done}")
+        console.print(cell(f"{schedule_id}: {done}"))
 
 
 @app.command("list")
@@ -226,8 +406,8 @@ def list_exports(
     rows = _run(lambda c: c.list(status=status, tenant_id=tenant, limit=limit), temporal=True)
     table = Table("job", "tenant", "status (Temporal)", "status (row)", "attempts", "delivery key")
     for listed, row in rows:
-        table.add_row(str(listed.job_id), str(listed.tenant_id), listed.status,
-                      row.status.value if row else "?", str(listed.attempts), listed.delivery_key)
+        table.add_row(cell(listed.job_id), cell(listed.tenant_id), cell(listed.status),
+                      cell(row.status.value if row else "?"), cell(listed.attempts), cell(listed.delivery_key))
     console.print(table)
 
 
@@ -236,6 +416,11 @@ def worker() -> None:
     """Run a worker: the workflows, the activities and the outbox dispatcher."""
     import worker as worker_process
 
+    async def reachable() -> None:
+        # Temporal only: a worker starts while the database is away and keeps trying (worker.py).
+        await connect_temporal(_settings(), timeout=CONNECT_TIMEOUT_SECONDS)
+
+    asyncio.run(reachable())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     asyncio.run(worker_process.main())
 
@@ -249,4 +434,11 @@ def dev() -> None:
 
 
 def main() -> None:
-    app()
+    """The `exports` script: the command's exit status, and an immediate exit after an abandoned connection
+    attempt to Temporal (see starter.temporal.abandoned_connection); the answer is printed by then."""
+    code = app(standalone_mode=False)
+    if temporal_connections.abandoned_connection:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

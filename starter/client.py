@@ -5,43 +5,82 @@ Inputs are validated before anything is written; a refusal is an `InputError` wi
 
 from __future__ import annotations
 
+import asyncio
+import unicodedata
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, Field, ValidationError
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.contracts import MAX_NAME, MAX_REASON, CancelRequest, CreateExport, ExportInput, ExportResult
-from starter.temporal import workflow_id
+from starter.temporal import CONNECT_TIMEOUT_SECONDS, Unreachable, workflow_id
 from workflows.export import DELIVERY_KEY, EXPORT_ATTEMPTS, EXPORT_STATUS, EXPORT_TENANT
 from store import errors
 from store.db import make_engine
 from store.jobs import JobStore
-from store.models import CancellationOutcome, CancellationResult, FailureCode, JobRow, Status
+from store.models import CancellationResult, FailureCode, JobRow, Status
 from store.reconciliation import correct, reconcile
 from store.settings import Settings
 from store.terms import create_replacement, edit_terms
 
-Name = Field(min_length=1, max_length=MAX_NAME)
-Text = Field(min_length=1, max_length=MAX_REASON)
+# What PostgreSQL's integer columns store (export_jobs.version).
+INT4_MAX = 2**31 - 1
+
+
+def _storable(text: str) -> str:
+    """Text that a text column can hold and a terminal can show: no NUL (PostgreSQL refuses it), no other control
+    character but tab and newline (ESC would reach an operator's terminal), and valid UTF-8."""
+    if "\x00" in text:
+        raise ValueError("must not contain a NUL byte")
+    if any(unicodedata.category(c) == "Cc" and c not in "\t\n" for c in text):
+        raise ValueError("must not contain control characters such as ESC")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid UTF-8 text") from None
+    return text
+
+
+def _not_blank(text: str) -> str:
+    if not text.strip():
+        raise ValueError("must not be blank")
+    return text
+
+
+# Text an operator types: who (a name) and why (a reason, evidence), each bounded by what its column agrees to.
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME), AfterValidator(_storable), AfterValidator(_not_blank)]
+Text = Annotated[str, Field(min_length=1, max_length=MAX_REASON), AfterValidator(_storable),
+                 AfterValidator(_not_blank)]
+
+
+class CreationText(BaseModel):
+    created_by: Name
+
+
+class CancellationText(BaseModel):
+    requested_by: Name
+    reason: Text | None = None
 
 
 class ReplaceRequest(BaseModel):
     tenant_id: uuid.UUID
     original_job_id: uuid.UUID
     job_id: uuid.UUID
-    created_by: str = Name
-    replacement_reason: str = Text
-    overwrite_agreement_ref: str | None = Field(default=None, min_length=1, max_length=MAX_NAME)
+    created_by: Name
+    replacement_reason: Text
+    overwrite_agreement_ref: Name | None = None
 
 
 class EditRequest(BaseModel):
     tenant_id: uuid.UUID
     job_id: uuid.UUID
-    expected_version: int = Field(ge=1)
+    expected_version: int = Field(ge=1, le=INT4_MAX)
     destination_id: uuid.UUID
 
 
@@ -50,8 +89,8 @@ class ReconcileRequest(BaseModel):
     job_id: uuid.UUID
     attempt_id: uuid.UUID
     resolution: Status
-    reconciled_by: str = Name
-    evidence_summary: str = Text
+    reconciled_by: Name
+    evidence_summary: Text
 
 
 class CorrectRequest(BaseModel):
@@ -61,13 +100,29 @@ class CorrectRequest(BaseModel):
     recorded_status: Status
     corrected_status: Status
     failure_reason: FailureCode | None = None
-    corrected_by: str = Name
-    evidence_ref: str = Text
-    why: str = Text
+    corrected_by: Name
+    evidence_ref: Text
+    why: Text
 
 
 class InputError(ValueError):
     """Bad input: nothing was written."""
+
+
+class SignalNotSent(Exception):
+    """The cancellation is recorded (the row decides), but its workflow could not be signalled; the same request
+    ID signals it again."""
+
+    def __init__(self, result: CancellationResult, error: RPCError) -> None:
+        self.result, self.error = result, error
+        super().__init__(f"{result.outcome.value} recorded (request {result.request_id}), but its workflow was not "
+                         f"signalled: {error.message}")
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """A value as an error message quotes it: its repr (control characters escaped), cut short."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...(cut)"
 
 
 def parse_id(value: str | uuid.UUID, what: str) -> uuid.UUID:
@@ -76,7 +131,7 @@ def parse_id(value: str | uuid.UUID, what: str) -> uuid.UUID:
     try:
         return uuid.UUID(value.strip())
     except (ValueError, AttributeError):
-        raise InputError(f"{what} {value!r} is not a UUID") from None
+        raise InputError(f"{what} {shown(value)} is not a UUID") from None
 
 
 def _attempt_ids(tenant_id: object, job_id: object, attempt_id: object) -> dict[str, uuid.UUID]:
@@ -93,9 +148,11 @@ def _validated(model: type, what: str, **values: Any):
     except ValidationError as exc:
         first = exc.errors()[0]
         field_name = ".".join(str(part) for part in first["loc"]) or what
-        message = first["msg"]
+        message = first["msg"].removeprefix("Value error, ")
         if first["type"] == "string_pattern_mismatch":
             message = "only letters, digits, '.', '_' and '-' are allowed, starting with a letter or digit"
+        elif first["type"] == "string_unicode":
+            message = "must be valid UTF-8 text"
         raise InputError(f"{what}: {field_name.replace('_', ' ')}: {message}") from None
 
 
@@ -133,8 +190,10 @@ class ExportsClient:
 
     @classmethod
     def from_settings(cls, settings: Settings, temporal: Client | None) -> ExportsClient:
+        """Every connection to PostgreSQL is bounded by CONNECT_TIMEOUT_SECONDS; a missing or unusable URL is
+        `Unreachable`."""
         store = JobStore(
-            make_engine(settings.database_url, pool_size=2),
+            database_engine(settings.database_url, "EXPORTS_DATABASE_URL", pool_size=2),
             lease_seconds=settings.lease_seconds,
             lock_timeout_ms=settings.lock_timeout_ms,
             reread_timeout_seconds=settings.reread_timeout_seconds,
@@ -145,6 +204,10 @@ class ExportsClient:
 
     async def close(self) -> None:
         await self.store.engine.dispose()
+
+    async def check_database(self) -> None:
+        """One connection and `SELECT 1`: `Unreachable` if PostgreSQL cannot be reached; nothing is written."""
+        await check_database(self.store.engine, "EXPORTS_DATABASE_URL")
 
     async def create(
         self,
@@ -184,6 +247,7 @@ class ExportsClient:
 
     def _creation(self, tenant_id, destination_id, created_by, delivery_key, job_id) -> CreateExport:
         job = parse_id(job_id, "job ID") if job_id is not None else uuid.uuid4()
+        _validated(CreationText, "export", created_by=created_by)
         return _validated(
             CreateExport,
             "export",
@@ -206,6 +270,7 @@ class ExportsClient:
         """The row write under the row lock, then the `cancel` signal so a building attempt stops at once.
         Retry a Busy answer with the same request ID."""
         job = parse_id(job_id, "job ID")
+        _validated(CancellationText, "cancellation", requested_by=requested_by, reason=reason)
         request = _validated(
             CancelRequest,
             "cancellation",
@@ -215,17 +280,23 @@ class ExportsClient:
             reason=reason,
         )
         result = await self.store.request_cancellation(job_id=job, **request.model_dump())
-        if result.recorded and self.temporal is not None and result.outcome in (
-            CancellationOutcome.STOP_REQUESTED,
-            CancellationOutcome.CANCELED_WHILE_QUEUED,
-        ):
-            try:
-                await self.temporal.get_workflow_handle(workflow_id(job)).signal("cancel", request)
-            except RPCError as exc:
-                # The row is the authority: a workflow that is not running finds the outcome when it next reads.
-                if exc.status is not RPCStatusCode.NOT_FOUND:
-                    raise
+        if result.recorded and self.temporal is not None:
+            await self.signal_cancellation(job, request, result)
         return result
+
+    async def signal_cancellation(self, job_id: uuid.UUID, request: CancelRequest,
+                                  result: CancellationResult) -> None:
+        """The `cancel` signal for a recorded request, whatever its answer: the workflow records the same request
+        (one record per request ID), stops a build at once, and shows who asked, why and the answer. Best effort:
+        the row, already written, decides."""
+        if self.temporal is None:
+            return
+        try:
+            await self.temporal.get_workflow_handle(workflow_id(job_id)).signal("cancel", request)
+        except RPCError as exc:
+            # A workflow that is not running finds the outcome when it next reads the row.
+            if exc.status is not RPCStatusCode.NOT_FOUND:
+                raise SignalNotSent(result, exc) from exc
 
     async def show(self, job_id: str | uuid.UUID, *, tenant_id: str | uuid.UUID | None = None) -> ExportView:
         job = parse_id(job_id, "job ID")
@@ -352,10 +423,12 @@ class ExportsClient:
 
     @asynccontextmanager
     async def _reconciler(self):
+        setting = "EXPORTS_RECONCILIATION_DATABASE_URL"
         if not self.reconciliation_url:
-            raise InputError("no reconciliation role configured (EXPORTS_RECONCILIATION_DATABASE_URL)")
-        engine = make_engine(self.reconciliation_url, pool_size=1)
+            raise Unreachable("PostgreSQL", setting, "", "no URL for the reconciliation role configured")
+        engine = database_engine(self.reconciliation_url, setting, pool_size=1)
         try:
+            await check_database(engine, setting)
             yield engine
         finally:
             await engine.dispose()
@@ -393,3 +466,50 @@ class ExportsClient:
         if self.temporal is None:
             raise RuntimeError("this call needs a Temporal client")
         return self.temporal
+
+
+def database_engine(url: str, setting: str, *, pool_size: int) -> AsyncEngine:
+    """An engine whose every connection attempt is bounded by CONNECT_TIMEOUT_SECONDS (asyncpg waits 60 s by
+    default). A missing or unusable URL is `Unreachable`, naming its setting."""
+    if not url.strip():
+        raise Unreachable("PostgreSQL", setting, "", "no URL configured (or start `exports dev`)")
+    if not url.startswith("postgresql+asyncpg://"):
+        raise Unreachable("PostgreSQL", setting, "", "not a usable URL: it must start with postgresql+asyncpg://")
+    try:
+        engine = make_engine(url, pool_size=pool_size)
+    except Exception as exc:  # a malformed URL, or one without the asyncpg driver
+        raise Unreachable("PostgreSQL", setting, "", f"not a usable URL: {str(exc).splitlines()[0]}") from None
+
+    @event.listens_for(engine.sync_engine, "do_connect")
+    def _bounded(dialect, connection_record, cargs, cparams) -> None:
+        cparams.setdefault("timeout", CONNECT_TIMEOUT_SECONDS)
+
+    return engine
+
+
+async def check_database(engine: AsyncEngine, setting: str) -> None:
+    """One connection and `SELECT 1`, bounded: `Unreachable` when PostgreSQL refuses the connection, does not
+    answer, does not know the role or the database, or is not accepting connections."""
+    where = engine.url.render_as_string(hide_password=True)
+    try:
+        async with asyncio.timeout(CONNECT_TIMEOUT_SECONDS + 1):
+            async with engine.connect() as conn:
+                await conn.exec_driver_sql("SELECT 1")
+    except TimeoutError:
+        raise Unreachable("PostgreSQL", setting, where, f"no answer within {CONNECT_TIMEOUT_SECONDS:g} s") from None
+    except Exception as exc:
+        server = errors.postgres_error(exc)
+        reason = str(server) if server is not None else _connection_reason(exc)
+        raise Unreachable("PostgreSQL", setting, where, reason) from None
+
+
+def _connection_reason(exc: BaseException) -> str:
+    current: BaseException | None = exc
+    while current is not None:
+        if isinstance(current, ConnectionRefusedError) or "Connect call failed" in str(current):
+            return "connection refused"
+        if isinstance(current, OSError) and current.strerror:
+            return current.strerror.lower()
+        current = getattr(current, "orig", None) or current.__cause__
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text

@@ -38,9 +38,10 @@ from store.settings import get_settings
 
 T = TypeVar("T")
 
-EXIT_CHECK_FAILED = 1  # `check` found what would stop a delivery, or a component could not be reached
+EXIT_CHECK_FAILED = 1  # `check` found what would stop a delivery
 EXIT_BAD_INPUT = 2
 EXIT_REFUSED = 4  # the database refused (a role that may not write destinations)
+EXIT_UNREACHABLE = 5  # the database could not be reached (as every `exports` command answers it)
 
 # What `add` writes when not told otherwise: the table's defaults.
 DEFAULTS: dict[str, Any] = {"enabled": True, "name_and_size_identify": False, "hash_evidence": "none",
@@ -236,9 +237,9 @@ def _shown(text: object) -> str:
 destinations_app = typer.Typer(
     help="Partner destinations. add and update write as the owner role (EXPORTS_OWNER_DATABASE_URL), since only "
          "the owner may write destinations; list and check only read, as the application role "
-         "(EXPORTS_DATABASE_URL).\n\nExit status: 0 done; 1 check found what would stop a delivery, or the "
-         "database could not be reached; 2 bad input, nothing written; 4 the database refused (a role that may "
-         "not write destinations).",
+         "(EXPORTS_DATABASE_URL).\n\nExit status: 0 done; 1 check found what would stop a delivery; 2 bad input, "
+         "nothing written; 4 the database refused (a role that may not write destinations); 5 the database could "
+         "not be reached.",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 
@@ -269,7 +270,8 @@ def _run(body: Callable[[AsyncEngine], Awaitable[T]], *, owner: bool) -> T:
         answer = errors.translate(exc)
         if isinstance(answer, errors.StoreError):  # a definite refusal, e.g. a role that may not write
             fail(f"refused: {_shown(answer)}", EXIT_REFUSED)
-        fail(f"failed: the database: {_describe(errors.postgres_error(exc) or exc)}", EXIT_CHECK_FAILED)
+        fail(f"unreachable: the database: {_describe(errors.postgres_error(exc) or exc)}; nothing was written",
+             EXIT_UNREACHABLE)
 
 
 def _whole_number(value: str | None, what: str) -> int | None:
