@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from uuid import UUID
 
+import unicodedata
 from typing import Annotated
 
 from pydantic import AfterValidator, AliasChoices, BaseModel, Field
@@ -30,21 +31,31 @@ TEMPORAL_CANCEL_OPERATOR = "temporal-cancel"
 
 
 def _storable(text: str) -> str:
-    # PostgreSQL's text cannot hold NUL; other control characters would reach an operator's terminal.
-    if any(ord(c) < 32 and c not in "\t\n" for c in text) or "\x7f" in text:
-        raise ValueError("must not contain NUL or other control characters")
+    """Text that a text column can hold and a terminal can show: no NUL (PostgreSQL refuses it), no other control
+    character but tab and newline (ESC would reach an operator's terminal), and valid UTF-8."""
+    if "\x00" in text:
+        raise ValueError("must not contain a NUL byte")
+    if any(unicodedata.category(c) == "Cc" and c not in "\t\n" for c in text):
+        raise ValueError("must not contain control characters such as ESC")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid UTF-8 text") from None
     return text
 
 
-def _named(text: str) -> str:
+def _not_blank(text: str) -> str:
     if not text.strip():
-        raise ValueError("must name someone, not be blank")
+        raise ValueError("must not be blank")
     return text
 
 
-# Text typed by a person that ends up in a text column: storable, and bounded by the column's agreed length.
-Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME), AfterValidator(_storable), AfterValidator(_named)]
+# Text a person typed that ends up in a text column: storable, and bounded by the column's agreed length. A name
+# says who (never blank); a reason may be left out; a text (evidence, why) is given and not blank.
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME), AfterValidator(_storable), AfterValidator(_not_blank)]
 Reason = Annotated[str, Field(max_length=MAX_REASON), AfterValidator(_storable)]
+Text = Annotated[str, Field(min_length=1, max_length=MAX_REASON), AfterValidator(_storable),
+                 AfterValidator(_not_blank)]
 
 
 class CreateExport(BaseModel):

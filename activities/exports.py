@@ -18,6 +18,7 @@ from activities import checkpoints, partner
 from activities.builder import BuildError, build_contacts_csv, remove_local_file
 from activities.contracts import (
     MAX_NAME,
+    MAX_REASON,
     TEMPORAL_CANCEL_OPERATOR,
     AttemptInput,
     AuthorizeInput,
@@ -121,7 +122,7 @@ class ExportActivities:
                 reason = f"destination {destination['name']!r} is not valid: {exc}"
             else:
                 return Evaluation(row=row, allowed=True)
-        if await self.store.reject(row.id, row.version):
+        if await self.store.reject(row.id, row.version, reason[:MAX_REASON]):
             log.info("export %s rejected at version %s: %s", row.id, row.version, reason)
         return Evaluation(row=await self.store.read_job(row.id), reason=reason)
 

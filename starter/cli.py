@@ -344,7 +344,7 @@ def correct_command(
 
 @app.command()
 def show(
-    job_id: str = typer.Argument(..., help="export ID"),
+    job_id: str = typer.Argument(..., help="export ID, or a prefix of it that only one export has"),
     tenant: Optional[str] = typer.Option(None, help="tenant ID; another tenant's export is not found"),
     as_json: bool = typer.Option(False, "--json", help="print the row and its history as JSON"),
 ) -> None:

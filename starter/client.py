@@ -6,19 +6,18 @@ Inputs are validated before anything is written; a refusal is an `InputError` wi
 from __future__ import annotations
 
 import asyncio
-import unicodedata
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import AfterValidator, BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.contracts import MAX_NAME, MAX_REASON, CancelRequest, CreateExport, ExportInput, ExportResult
+from activities.contracts import CancelRequest, CreateExport, ExportInput, ExportResult, Name, Text
 from starter.temporal import CONNECT_TIMEOUT_SECONDS, Unreachable, workflow_id
 from workflows.export import DELIVERY_KEY, EXPORT_ATTEMPTS, EXPORT_STATUS, EXPORT_TENANT
 from store import errors
@@ -31,32 +30,6 @@ from store.terms import create_replacement, edit_terms
 
 # What PostgreSQL's integer columns store (export_jobs.version).
 INT4_MAX = 2**31 - 1
-
-
-def _storable(text: str) -> str:
-    """Text that a text column can hold and a terminal can show: no NUL (PostgreSQL refuses it), no other control
-    character but tab and newline (ESC would reach an operator's terminal), and valid UTF-8."""
-    if "\x00" in text:
-        raise ValueError("must not contain a NUL byte")
-    if any(unicodedata.category(c) == "Cc" and c not in "\t\n" for c in text):
-        raise ValueError("must not contain control characters such as ESC")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("must be valid UTF-8 text") from None
-    return text
-
-
-def _not_blank(text: str) -> str:
-    if not text.strip():
-        raise ValueError("must not be blank")
-    return text
-
-
-# Text an operator types: who (a name) and why (a reason, evidence), each bounded by what its column agrees to.
-Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME), AfterValidator(_storable), AfterValidator(_not_blank)]
-Text = Annotated[str, Field(min_length=1, max_length=MAX_REASON), AfterValidator(_storable),
-                 AfterValidator(_not_blank)]
 
 
 class CreationText(BaseModel):
@@ -299,13 +272,29 @@ class ExportsClient:
                 raise SignalNotSent(result, exc) from exc
 
     async def show(self, job_id: str | uuid.UUID, *, tenant_id: str | uuid.UUID | None = None) -> ExportView:
-        job = parse_id(job_id, "job ID")
+        """One export by its ID, or by a prefix of it that only one export has (as `make run` and tables show)."""
+        job = await self._resolve_prefix(job_id)
         tenant = parse_id(tenant_id, "tenant ID") if tenant_id is not None else None
         row = await self.store.read_job(job, tenant_id=tenant)
         if row is None:
             raise InputError(f"export {job} not found" + (f" for tenant {tenant}" if tenant else ""))
         events, requests = await self.store.history(job)
         return ExportView(row=row, events=events, cancellation_requests=requests)
+
+    async def _resolve_prefix(self, value: str | uuid.UUID) -> uuid.UUID:
+        if isinstance(value, uuid.UUID):
+            return value
+        digits = value.strip().replace("-", "").lower()
+        if len(digits) == 32 or not (4 <= len(digits) < 32 and all(c in "0123456789abcdef" for c in digits)):
+            return parse_id(value, "job ID")
+        # A range on the primary key, so that a prefix costs an index lookup, not a scan.
+        low, high = (uuid.UUID(digits + pad * (32 - len(digits))) for pad in "0f")
+        found = await self.store.job_ids_between(low, high, limit=2)
+        if not found:
+            raise InputError(f"no export ID starts with {shown(value)}")
+        if len(found) > 1:
+            raise InputError(f"more than one export ID starts with {shown(value)}: give more of it")
+        return found[0]
 
     async def replace(
         self,

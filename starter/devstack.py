@@ -294,6 +294,10 @@ def _print_summary(exports: list[DemoExport], ui_url: str, ok: bool) -> None:
     for e in exports:
         for note in e.notes:
             console.print(f"  {e.label}: {note}")
+    # What the README's commands need, in full: `exports show <job id>`, `--tenant <tenant id>`.
+    console.print(f"demo tenant: {DEMO_TENANT}", markup=False)
+    for e in exports:
+        console.print(f"  {e.job_id}  {e.label}", markup=False)
     verdict = "[green]every export ended as expected[/]" if ok else "[red]some exports did not end as expected[/]"
     console.print(f"{verdict}; inspect them in the Temporal UI: {ui_url}")
 

@@ -70,6 +70,13 @@ class JobStore:
             row = (await conn.execute(query)).mappings().first()
         return dict(row) if row is not None else None
 
+    async def job_ids_between(self, low: UUID, high: UUID, *, limit: int) -> list[UUID]:
+        """Export IDs in [low, high], at most `limit` (an operator's ID prefix, as a range on the primary key)."""
+        query = (select(export_jobs.c.id).where(export_jobs.c.id.between(low, high))
+                 .order_by(export_jobs.c.id).limit(limit))
+        async with self.engine.connect() as conn:
+            return [row.id for row in await conn.execute(query)]
+
     async def read_destinations(self) -> list[dict[str, Any]]:
         async with self.engine.connect() as conn:
             rows = (await conn.execute(select(destinations).order_by(destinations.c.id))).mappings().all()
@@ -137,8 +144,8 @@ class JobStore:
         if inserted != 1:
             raise errors.StoreError(f"creation of export {job_id} inserted {inserted} outbox rows")
 
-    async def reject(self, job_id: UUID, checked_version: int) -> bool:
-        return await self._write("reject", job_id=job_id, checked_version=checked_version) == 1
+    async def reject(self, job_id: UUID, checked_version: int, reason: str) -> bool:
+        return await self._write("reject", job_id=job_id, checked_version=checked_version, reason=reason) == 1
 
     # --- the attempt --------------------------------------------------------------------------------------------
 

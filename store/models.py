@@ -104,6 +104,8 @@ class JobRow(BaseModel):
     sweep_count: int = 0
     # How a Completed was confirmed: sha256, acknowledgment, size, reconciliation or correction.
     confirmed_by: str | None = None
+    # Why policy refused it (Rejected only).
+    rejection_reason: str | None = None
 
     @property
     def final_name(self) -> str:

@@ -76,6 +76,7 @@ export_jobs = Table(
     Column("overwrite_agreement_ref", Text),
     Column("sweep_count", Integer, nullable=False),
     Column("confirmed_by", Text),
+    Column("rejection_reason", Text),
 )
 
 deliveries = Table(

@@ -252,6 +252,8 @@ async def test_the_ui_details_say_why_an_export_was_rejected(harness: Harness):
     assert (await h.settled(job_id)).status is Status.REJECTED
     details = await current_details(h, job_id)
     assert details.startswith("**Rejected**") and "rejected: destination 'partner' is disabled" in details, details
+    # The row keeps the reason, so `exports show` says it too, whichever run an operator looks at.
+    assert (await h.exports.show(job_id)).row.rejection_reason == "destination 'partner' is disabled"
 
 
 # --- a cancel signal that found the row busy is asked again ---------------------------------------------------------
@@ -281,3 +283,93 @@ async def test_a_cancel_signal_that_finds_the_row_busy_is_asked_again_and_then_s
     row = await h.settled(job_id)
     assert row.status is Status.STOPPED and row.stop_request_id == request_id
     assert await h.db.admin.fetchval("SELECT count(*) FROM cancellation_requests") == 1
+
+
+# --- an operator's ID prefix ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.spec("HI6")
+async def test_show_accepts_a_unique_id_prefix_and_refuses_an_ambiguous_or_unknown_one(db, store):
+    from starter.client import InputError
+    from tests.support import create_job, seed_tenant
+
+    tenant_id, destination_id = await seed_tenant(db.admin)
+    first = await create_job(store, tenant_id, destination_id)
+    exports = ExportsClient(store, None)
+    assert (await exports.show(str(first)[:8])).row.id == first
+    assert (await exports.show(str(first)[:13])).row.id == first  # with its dash
+    twin = uuid.UUID(str(first)[:8] + "0" * 4 + str(uuid.uuid4())[13:].replace("-", "")[:20])
+    await store.create_job(job_id=twin, tenant_id=tenant_id, destination_id=destination_id,
+                           delivery_key=f"k{twin.hex[:12]}", created_by="tests")
+    with pytest.raises(InputError, match="more than one"):
+        await exports.show(str(first)[:8])
+    with pytest.raises(InputError, match="no export ID starts with"):
+        await exports.show("ffff0000")
+    with pytest.raises(InputError, match="not a UUID"):
+        await exports.show("xyz")
+
+
+# --- arbitrary JSON as a cancel signal (property-based) -------------------------------------------------------------
+
+
+def _hostile_cancel_payloads(tenant_id: uuid.UUID) -> list:
+    """Payloads drawn by hypothesis: arbitrary JSON, and cancels that look right but name another tenant or carry
+    text no column should store. None names the export's own tenant, so none may record anything."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                    max_size=4), max_leaves=8)
+    other_tenant = st.uuids().filter(lambda u: u != tenant_id).map(str)
+    lookalike = st.fixed_dictionaries({
+        "request_id": st.uuids().map(str) | st.text(max_size=40),
+        "tenant": other_tenant | st.text(max_size=40),
+        "operator": st.text(max_size=250),
+        "reason": st.none() | st.text(max_size=60),
+    })
+    drawn: list = []
+
+    @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.one_of(json, lookalike))
+    def draw(payload) -> None:
+        drawn.append(payload)
+
+    draw()
+    return drawn
+
+
+@pytest.mark.spec("HI1")
+async def test_arbitrary_json_sent_as_cancel_records_nothing_and_a_valid_cancel_is_still_recorded(
+        quiet_harness: Harness):
+    from activities.contracts import CancelRequest, ExportInput
+    from pydantic import ValidationError
+    from tests.store_states import drive
+
+    h = quiet_harness
+    job_id = uuid.uuid4()
+    await h.store.create_job(job_id=job_id, tenant_id=h.tenant_id, destination_id=h.destination_id,
+                             delivery_key=f"k{job_id.hex[:12]}", created_by="tests")
+    await drive(h.store, job_id, Status.RUNNING)  # held by an attempt of the test's: the workflow only waits
+    handle = await h.client.start_workflow("ExportWorkflow", ExportInput(job_id=job_id), id=f"export-{job_id}",
+                                           task_queue=h.settings.task_queue, result_type=ExportResult)
+    try:
+        payloads = _hostile_cancel_payloads(h.tenant_id)
+        invalid = 0
+        for payload in payloads:
+            try:
+                CancelRequest.model_validate(payload)
+            except ValidationError:
+                invalid += 1
+            await handle.signal("cancel", payload)
+        valid = uuid.uuid4()
+        await handle.signal("cancel", {"request_id": str(valid), "tenant": str(h.tenant_id),
+                                       "operator": "ann@example.com", "reason": "after the noise"})
+        await eventually(lambda: h.db.admin.fetchval("SELECT count(*) FROM cancellation_requests"),
+                         lambda n: n >= 1, timeout=BOUND, interval=0.2, what="the valid cancel recorded")
+        recorded = await h.db.admin.fetch("SELECT id, outcome FROM cancellation_requests")
+        assert [(r["id"], r["outcome"]) for r in recorded] == [(valid, "StopRequested")]
+        assert len(await handle.query("rejected_signals")) == invalid
+        assert (await handle.describe()).status is WorkflowExecutionStatus.RUNNING
+    finally:
+        await handle.terminate("test over")

@@ -460,7 +460,7 @@ async def test_every_documented_transition_still_commits(db, store, tenant, reco
     assert await sweep(store.engine, threshold_seconds=1800, batch=500) == 1
     assert await edit_terms(store.engine, tenant_id=tenant_id, job_id=job, expected_version=1,
                             destination_id=destination_id)
-    assert await store.reject(job, 2)
+    assert await store.reject(job, 2, "destination disabled")
     assert (await store.read_job(job)).status is Status.REJECTED
 
     # Nothing above left a job in a state the rules would refuse, and every change has its event.
@@ -471,3 +471,28 @@ async def test_every_documented_transition_still_commits(db, store, tenant, reco
 
 async def drive_authorize(store: JobStore, row: JobRow, attempt: uuid.UUID) -> bool:
     return await store.authorize_delivery(row, attempt, built_file(row.final_name)) is AuthorizationResult.AUTHORIZED
+
+
+# --- a job is born Queued, with its wake-up ----------------------------------------------------------------------
+
+
+@pytest.mark.spec("GR1")
+@pytest.mark.parametrize("status,confirmed_by,with_wakeup", [("Completed", "sha256", True),
+                                                             ("Queued", None, False)])
+async def test_app_role_cannot_insert_a_settled_job_or_one_without_its_wakeup(db, tenant, app, status,
+                                                                             confirmed_by, with_wakeup):
+    tenant_id, destination_id = tenant
+    job_id, key = uuid.uuid4(), f"k{uuid.uuid4().hex[:12]}"
+    steps = [
+        ("INSERT INTO deliveries (tenant_id, delivery_key, original_job_id) VALUES ($1, $2, $3)",
+         tenant_id, key, job_id),
+        ("INSERT INTO export_jobs (id, tenant_id, status, version, destination_id, delivery_key, created_by, "
+         "woken_at, confirmed_by) VALUES ($1, $2, $3, 1, $4, $5, 'intruder', clock_timestamp(), $6)",
+         job_id, tenant_id, status, destination_id, key, confirmed_by),
+    ]
+    if with_wakeup:
+        steps.append(("INSERT INTO outbox (message_id, kind, job_id, created_at) "
+                      "VALUES (gen_random_uuid(), 'ExportReady', $1, clock_timestamp())", job_id))
+    refusal = await refused(app, *steps)
+    assert "GR1" in str(refusal) and "born" not in str(refusal)
+    assert await db.admin.fetchval("SELECT count(*) FROM export_jobs WHERE id = $1", job_id) == 0

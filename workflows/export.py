@@ -168,8 +168,6 @@ class ExportWorkflow:
                 workflow.logger.warning("reading export %s failed: %s; waiting for the row", job_id, _cause(err))
                 await self._wait_for_wake()
                 continue
-            if evaluation.reason:
-                self._why = f"rejected: {evaluation.reason}"
             row = self._observe(evaluation.row)
             if row.status.is_settled:
                 break
@@ -207,7 +205,9 @@ class ExportWorkflow:
         lines = [f"**{status.value}**, attempt {attempts}"]
         if status is Status.FAILED and row.failure_reason:
             lines[0] += f": {row.failure_reason.value}"
-        if self._why:
+        if status is Status.REJECTED and row.rejection_reason:
+            lines.append(f"rejected: {row.rejection_reason}")
+        elif self._why:
             lines.append(self._why)
         if row.expected_file_name and status in (Status.DELIVERING, Status.COMPLETED, Status.OUTCOME_UNKNOWN):
             digest = row.expected_file_sha256.hex() if row.expected_file_sha256 else "?"

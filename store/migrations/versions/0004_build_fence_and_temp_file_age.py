@@ -10,6 +10,9 @@
 - `export_jobs.confirmed_by`: what made a Completed true (sha256, the partner's acknowledgment, size where the
   contract accepts size, a reconciliation, a correction), so that operators can filter on it. A check ties it to
   Completed. Existing Completed rows get it from the event that settled them.
+- `export_jobs.rejection_reason`: why policy refused an export, written by the rejection itself, so that the
+  row (and `exports show`) says it, not only the worker's log. A check ties it to Rejected; rows rejected before
+  this migration say that their reason was not recorded.
 
 Revision ID: 0004
 Revises: 0003
@@ -68,10 +71,17 @@ def upgrade() -> None:
         ALTER TABLE export_jobs ADD CONSTRAINT ck_export_jobs_confirmed
             CHECK ((status = 'Completed') = (confirmed_by IS NOT NULL))
     """)
+    op.execute("ALTER TABLE export_jobs ADD COLUMN rejection_reason text")
+    op.execute("UPDATE export_jobs SET rejection_reason = 'not recorded (rejected before reasons were kept)' "
+               "WHERE status = 'Rejected'")
+    op.execute("""
+        ALTER TABLE export_jobs ADD CONSTRAINT ck_export_jobs_rejection
+            CHECK ((status = 'Rejected') = (rejection_reason IS NOT NULL))
+    """)
 
 
 def downgrade() -> None:
-    op.execute("ALTER TABLE export_jobs DROP COLUMN confirmed_by")
+    op.execute("ALTER TABLE export_jobs DROP COLUMN rejection_reason, DROP COLUMN confirmed_by")
     op.execute("ALTER TABLE destinations DROP COLUMN temp_file_max_age_seconds")
     op.execute("DELETE FROM export_attempt_events WHERE kind = 'BuildStarted'")
     op.execute("DROP INDEX uq_attempt_transition")

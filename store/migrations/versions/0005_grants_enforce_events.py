@@ -26,6 +26,9 @@ How, for every role but the tables' owner (a superuser counts as the owner: it i
   grants keep the application off a job's identity and the reconciler to status and failure_reason.
 - A BEFORE UPDATE trigger on outbox makes published_at write-once, from NULL, stamped with the database clock
   whatever the writer sent.
+- A deferred constraint trigger on export_jobs' inserts: a new job is Queued, with nothing of an attempt, and its
+  outbox row was written by the same transaction (the creation statements do both), so no role can insert a
+  job that is already settled, or a queued one with no wake-up on its way.
 
 Refusals raise insufficient_privilege (42501) with a one-line message naming the rule; store/errors.py turns
 that into NotPermitted.
@@ -59,7 +62,8 @@ depends_on = None
 # Written by the application's statements; a job's identity columns are not among them.
 APP_COLUMNS = ("status, version, destination_id, attempt_id, attempt_count, claimed_by, lease_expires_at, "
                "stop_request_id, cancellation_request_id, expected_file_name, expected_file_bytes, "
-               "expected_file_sha256, delivery_authorized_at, woken_at, failure_reason, sweep_count, confirmed_by")
+               "expected_file_sha256, delivery_authorized_at, woken_at, failure_reason, sweep_count, confirmed_by, "
+               "rejection_reason")
 
 GRANTS = f"""
 REVOKE UPDATE ON export_jobs FROM exports_app, exports_reconciler;
@@ -107,7 +111,7 @@ BEGIN
             fits := NEW.attempt_count = OLD.attempt_count + 1 AND NEW.lease_expires_at IS NOT NULL;
             rule := 'a claim counts one attempt and takes a lease';
         WHEN OLD.status = 'Queued' AND NEW.status = 'Rejected' THEN  -- reject.sql
-            frozen.status := OLD.status;
+            frozen.status := OLD.status; frozen.rejection_reason := OLD.rejection_reason;
         WHEN OLD.status = 'Queued' AND NEW.status = 'Canceled' THEN  -- cancel_queued.sql
             frozen.status := OLD.status; frozen.cancellation_request_id := OLD.cancellation_request_id;
             proof_request := NEW.cancellation_request_id; proof_outcome := 'CanceledWhileQueued';
@@ -236,23 +240,23 @@ BEGIN
         -- sweep_count.
         RETURN (n.attempt_id, n.attempt_count, n.claimed_by, n.lease_expires_at, n.stop_request_id,
                 n.cancellation_request_id, n.expected_file_name, n.expected_file_bytes, n.expected_file_sha256,
-                n.delivery_authorized_at, n.failure_reason, n.confirmed_by)
+                n.delivery_authorized_at, n.failure_reason, n.confirmed_by, n.rejection_reason)
                IS DISTINCT FROM
                (o.attempt_id, o.attempt_count, o.claimed_by, o.lease_expires_at, o.stop_request_id,
                 o.cancellation_request_id, o.expected_file_name, o.expected_file_bytes, o.expected_file_sha256,
-                o.delivery_authorized_at, o.failure_reason, o.confirmed_by);
+                o.delivery_authorized_at, o.failure_reason, o.confirmed_by, o.rejection_reason);
     END IF;
     IF o.status IN ('Running', 'Delivering') AND n.lease_expires_at IS NOT NULL THEN
         -- A renewal changes only the lease, to a value, while the attempt holds the job.
         RETURN (n.status, n.version, n.destination_id, n.attempt_id, n.attempt_count, n.claimed_by,
                 n.stop_request_id, n.cancellation_request_id, n.expected_file_name, n.expected_file_bytes,
                 n.expected_file_sha256, n.delivery_authorized_at, n.woken_at, n.failure_reason, n.sweep_count,
-                n.confirmed_by)
+                n.confirmed_by, n.rejection_reason)
                IS DISTINCT FROM
                (o.status, o.version, o.destination_id, o.attempt_id, o.attempt_count, o.claimed_by,
                 o.stop_request_id, o.cancellation_request_id, o.expected_file_name, o.expected_file_bytes,
                 o.expected_file_sha256, o.delivery_authorized_at, o.woken_at, o.failure_reason, o.sweep_count,
-                o.confirmed_by);
+                o.confirmed_by, o.rejection_reason);
     END IF;
     RETURN true;
 END $$;
@@ -310,6 +314,30 @@ CREATE CONSTRAINT TRIGGER tr_attempt_events_event_has_its_change
     EXECUTE FUNCTION exports_event_has_its_change();
 """
 
+# A job is born Queued, with nothing of an attempt, and with its wake-up: the creation statements write the job and
+# its outbox row together. Without this, a role could insert a job that is already Completed, with no history.
+CREATION_RULE = r"""
+CREATE FUNCTION exports_new_job_is_queued_with_its_wakeup() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF (NEW.status = 'Queued' AND NEW.attempt_id IS NULL AND NEW.attempt_count = 0 AND NEW.claimed_by IS NULL
+        AND NEW.lease_expires_at IS NULL AND NEW.stop_request_id IS NULL AND NEW.cancellation_request_id IS NULL
+        AND NEW.expected_file_name IS NULL AND NEW.expected_file_bytes IS NULL AND NEW.expected_file_sha256 IS NULL
+        AND NEW.delivery_authorized_at IS NULL AND NEW.failure_reason IS NULL AND NEW.confirmed_by IS NULL
+        AND NEW.rejection_reason IS NULL AND NEW.sweep_count = 0
+        AND EXISTS (SELECT 1 FROM public.outbox o JOIN public.export_jobs j ON j.id = o.job_id AND j.xmin = o.xmin
+                    WHERE o.job_id = NEW.id))
+       OR public.exports_by_owner(TG_RELID) THEN
+        RETURN NULL;
+    END IF;
+    RAISE EXCEPTION USING ERRCODE = 'insufficient_privilege', MESSAGE = format(
+        'GR1: export %s: a new export is Queued, with nothing of an attempt, and with its wake-up', NEW.id);
+END $$;
+
+CREATE CONSTRAINT TRIGGER tr_export_jobs_created_queued
+    AFTER INSERT ON export_jobs DEFERRABLE INITIALLY DEFERRED
+    FOR EACH ROW EXECUTE FUNCTION exports_new_job_is_queued_with_its_wakeup();
+"""
+
 OUTBOX_RULE = r"""
 CREATE FUNCTION exports_outbox_published_once() RETURNS trigger LANGUAGE plpgsql
 AS $$
@@ -341,12 +369,15 @@ def upgrade() -> None:
     _script(OWNER)
     _script(JOB_RULE)
     _script(EVENT_RULE)
+    _script(CREATION_RULE)
     _script(OUTBOX_RULE)
 
 
 def downgrade() -> None:
     _script("""
         DROP TRIGGER tr_outbox_published_once ON outbox;
+        DROP TRIGGER tr_export_jobs_created_queued ON export_jobs;
+        DROP FUNCTION exports_new_job_is_queued_with_its_wakeup();
         DROP FUNCTION exports_outbox_published_once();
         DROP TRIGGER tr_attempt_events_event_has_its_change ON export_attempt_events;
         DROP FUNCTION exports_event_has_its_change();
