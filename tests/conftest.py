@@ -3,6 +3,7 @@ server, and an SFTP partner. Each test gets a fresh database copied from a migra
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 import uuid
@@ -17,6 +18,7 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
+from starter.localstack.partner import LocalPartner
 from starter.localstack.postgres import LocalPostgres
 from starter.localstack.temporal import temporal_binary
 from store.db import asyncpg_dsn, make_engine, migrate
@@ -121,6 +123,17 @@ def store(app_engine: AsyncEngine, db: TestDatabase) -> JobStore:
         lock_timeout_ms=settings.lock_timeout_ms,
         reread_timeout_seconds=settings.reread_timeout_seconds,
     )
+
+
+@pytest.fixture
+async def partner(tmp_path: Path) -> AsyncIterator[LocalPartner]:
+    """A real SFTP partner of the test's own (an asyncssh server with fault hooks), started and stopped in bounds."""
+    p = LocalPartner(tmp_path / "partner")
+    await asyncio.wait_for(p.start(), 30)
+    try:
+        yield p
+    finally:
+        await asyncio.wait_for(p.stop(), 30)
 
 
 @pytest.fixture(scope="session")

@@ -20,12 +20,6 @@ from tests.workflow_support import Harness
 
 
 @pytest.fixture
-async def partner(tmp_path: Path):
-    async with LocalPartner(tmp_path / "partner") as started:
-        yield started
-
-
-@pytest.fixture
 def env(db) -> dict[str, str]:
     return {f"EXPORTS_{k.upper()}": v for k, v in db.server.urls(db.name).items()}
 

@@ -16,14 +16,6 @@ from tests.partner_support import Evidence, bounded, make_file
 from tests.support import eventually
 
 
-@pytest.fixture
-async def partner(tmp_path: Path):
-    p = LocalPartner(tmp_path / "partner")
-    await bounded(p.start())
-    yield p
-    await bounded(p.stop())
-
-
 @pytest.mark.spec("DV3")
 async def test_after_an_uncertain_rename_the_attempt_touches_neither_name(partner: LocalPartner, tmp_path: Path):
     """The server takes the rename but answers late (here: it holds the request before carrying it out); the

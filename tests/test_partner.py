@@ -26,14 +26,6 @@ CHUNK = 16 * 1024
 
 
 @pytest.fixture
-async def partner(tmp_path: Path):
-    p = LocalPartner(tmp_path / "partner")
-    await bounded(p.start())
-    yield p
-    await bounded(p.stop())
-
-
-@pytest.fixture
 def local(tmp_path: Path) -> tuple[Path, bytes]:
     path = tmp_path / "contacts.csv"
     return path, make_file(path, 10 * CHUNK + 123)
