@@ -26,7 +26,7 @@ from activities.interceptors import ClassifyStoreErrors
 from activities.recovery import RecoveryActivities
 from activities.scavenger import keep_scavenging, scavenge
 from starter.dispatcher import OutboxDispatcher
-from starter.temporal import connect_temporal
+from starter.temporal import CONNECT_TIMEOUT_SECONDS, Unreachable, connect_temporal
 from store.db import asyncpg_dsn, make_engine
 from store.jobs import JobStore
 from store.recovery import Recovery
@@ -116,15 +116,34 @@ async def running_worker(
         await engine.dispose()
 
 
+async def connect_when_reachable(settings: Settings, stopping: asyncio.Event) -> Client | None:
+    """Temporal, once it answers: a worker started during an outage waits, one line per try, backing off to 30 s,
+    and never exits for it. None if asked to stop meanwhile."""
+    delay = 1.0
+    while not stopping.is_set():
+        try:
+            return await connect_temporal(settings, timeout=CONNECT_TIMEOUT_SECONDS)
+        except Unreachable as exc:
+            log.warning("%s; trying again in %.0f s", exc, delay)
+        try:
+            await asyncio.wait_for(stopping.wait(), delay)
+        except TimeoutError:
+            pass
+        delay = min(delay * 2, 30.0)
+    return None
+
+
 async def main() -> None:
     settings = get_settings()
-    client = await connect_temporal(settings)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stopping.set)
-    async with running_worker(settings, client):
-        await stopping.wait()
+    # Nothing at start assumes PostgreSQL answers either: the scavenger, the dispatcher and every step retry.
+    client = await connect_when_reachable(settings, stopping)
+    if client is not None:
+        async with running_worker(settings, client):
+            await stopping.wait()
     log.info("worker stopped")
 
 

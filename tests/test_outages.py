@@ -1,0 +1,92 @@
+"""Outages that lose nothing (matrix OU2), with a real worker process, the Temporal dev server and PostgreSQL:
+both are unreachable when the worker starts, and come back later."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from store.models import Status
+from tests.faults import fault_proxy
+from tests.support import eventually
+from tests.test_crash_workflow import crash_world, processes
+from tests.workflow_support import WorkerProcess
+
+BOUND = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def forwarder(port: int, target: str) -> AsyncIterator[None]:
+    """A plain TCP forwarder on 127.0.0.1:port to `target` (host:port): Temporal is reachable while it runs."""
+    host, target_port = target.rsplit(":", 1)
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    async def accept(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection(host, int(target_port))
+        await asyncio.gather(pipe(client_r, server_w), pipe(server_r, client_w))
+
+    server = await asyncio.start_server(accept, "127.0.0.1", port)
+    try:
+        yield
+    finally:
+        server.close()
+
+
+@pytest.mark.spec("OU2")
+async def test_a_worker_started_while_postgresql_and_temporal_are_away_waits_and_then_works(
+        db, store, client, tmp_path):
+    temporal_port = free_port()
+    async with crash_world(db, store, client, tmp_path) as h, processes(h) as started, \
+            fault_proxy(db.server.socket_dir) as pg:
+        pg.refuse_new_connections()
+        # A file left in the work directory: the scavenger asks PostgreSQL about it as the worker starts.
+        work = Path(h.settings.work_dir)
+        work.mkdir(parents=True, exist_ok=True)
+        (work / f"{uuid.uuid4()}-{uuid.uuid4()}-ab12.csv").write_text("email\n")
+        worker = await WorkerProcess(h.settings, temporal_address=f"127.0.0.1:{temporal_port}",
+                                     database_url=pg.url("exports_app", db.name)).start()
+        started.append(worker)
+        # Nothing answers on Temporal's port: the worker says so, once a try, and waits.
+        log = await eventually(lambda: asyncio.sleep(0, worker.log_path.read_text()),
+                               lambda text: text.count("trying again in") >= 2, timeout=BOUND, interval=0.2,
+                               what="the worker retrying Temporal")
+        assert worker.process.returncode is None and "Traceback" not in log
+        target = client.service_client.config.target_host
+        async with forwarder(temporal_port, target):
+            await eventually(lambda: asyncio.sleep(0, worker.log_path.read_text()),
+                             lambda text: "polling" in text, timeout=BOUND, interval=0.2,
+                             what="the worker polling once Temporal answered")
+            assert pg.refused >= 1  # the worker did ask PostgreSQL (its scavenger) while it was away
+            job_id = await h.create()  # written directly; the worker's dispatcher cannot reach the outbox yet
+            await asyncio.sleep(1.0)
+            assert (await h.store.read_job(job_id)).status is Status.QUEUED
+            pg.accept_new_connections()
+            row = await eventually(lambda: h.store.read_job(job_id), lambda r: r.status.is_settled,
+                                   timeout=BOUND, interval=0.2, what="the export settled")
+            assert row.status is Status.COMPLETED
+            assert worker.process.returncode is None
+        # Its start said one line per try and nothing else (the steps that failed while PostgreSQL was away are
+        # logged by the SDK, with their tracebacks: that is issue OU6's, not this one's).
+        start = worker.log_path.read_text().split("polling", 1)[0]
+        assert "Traceback" not in start and start.count("trying again in") >= 2
