@@ -32,10 +32,6 @@ from store.terms import create_replacement, edit_terms
 INT4_MAX = 2**31 - 1
 
 
-class CreationText(BaseModel):
-    created_by: Name
-
-
 class CancellationText(BaseModel):
     requested_by: Name
     reason: Text | None = None
@@ -220,7 +216,6 @@ class ExportsClient:
 
     def _creation(self, tenant_id, destination_id, created_by, delivery_key, job_id) -> CreateExport:
         job = parse_id(job_id, "job ID") if job_id is not None else uuid.uuid4()
-        _validated(CreationText, "export", created_by=created_by)
         return _validated(
             CreateExport,
             "export",

@@ -33,6 +33,7 @@ from activities.sftp_check_file import CheckFileError, check_file_sha256
 from starter.client import InputError, parse_id
 from store import errors
 from store.db import make_engine
+from store.jobs import read_destinations
 from store.schema import destinations
 from store.settings import get_settings
 
@@ -77,17 +78,6 @@ async def update_destination(engine: AsyncEngine, tenant_id: uuid.UUID, destinat
         _validated(merged, credential_changed="credential_ref" in changes)
         await conn.execute(update(destinations).where(*where).values(**changes))
     return merged
-
-
-async def read_destinations(engine: AsyncEngine, tenant_id: uuid.UUID | None = None,
-                            destination_id: uuid.UUID | None = None) -> list[dict[str, Any]]:
-    query = select(destinations).order_by(destinations.c.tenant_id, destinations.c.name, destinations.c.id)
-    if tenant_id is not None:
-        query = query.where(destinations.c.tenant_id == tenant_id)
-    if destination_id is not None:
-        query = query.where(destinations.c.id == destination_id)
-    async with engine.connect() as conn:
-        return [dict(r) for r in (await conn.execute(query)).mappings().all()]
 
 
 def _validated(fields: Mapping[str, Any], *, credential_changed: bool) -> None:

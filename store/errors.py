@@ -4,6 +4,7 @@ their constraints, and connection loss or timeouts are "uncertain" (the write ma
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import asyncpg
 from sqlalchemy import exc as sa_exc
@@ -97,16 +98,19 @@ LOCK_NOT_AVAILABLE = "55P03"
 INSUFFICIENT_PRIVILEGE = "42501"
 
 
-def postgres_error(exc: BaseException) -> asyncpg.PostgresError | None:
-    """The server's own error behind SQLAlchemy's and the adapter's wrappers, if the server answered."""
+def _wrapped(exc: BaseException) -> Iterator[BaseException]:
+    """The exception and those it wraps (SQLAlchemy's `orig`, or the cause), each once."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
-        if isinstance(current, asyncpg.PostgresError):
-            return current
+        yield current
         seen.add(id(current))
         current = getattr(current, "orig", None) or current.__cause__
-    return None
+
+
+def postgres_error(exc: BaseException) -> asyncpg.PostgresError | None:
+    """The server's own error behind SQLAlchemy's and the adapter's wrappers, if the server answered."""
+    return next((e for e in _wrapped(exc) if isinstance(e, asyncpg.PostgresError)), None)
 
 
 def is_lock_timeout(exc: BaseException) -> bool:
@@ -155,12 +159,7 @@ def is_deterministic(exc: BaseException) -> bool:
         return False
     if postgres_error(exc) is not None:
         return True
-    current: BaseException | None = exc
-    while current is not None:
-        if isinstance(current, asyncpg.exceptions._base.DataError):
-            return True
-        current = getattr(current, "orig", None) or current.__cause__
-    return False
+    return any(isinstance(e, asyncpg.exceptions._base.DataError) for e in _wrapped(exc))
 
 
 def translate(exc: BaseException) -> BaseException:

@@ -27,6 +27,25 @@ from store.statements import statement, write
 
 log = logging.getLogger(__name__)
 
+async def read_destinations(engine: AsyncEngine, tenant_id: UUID | None = None,
+                            destination_id: UUID | None = None) -> list[dict[str, Any]]:
+    """Destinations, all of them or one tenant's (or one), by tenant, name and ID."""
+    query = select(destinations).order_by(destinations.c.tenant_id, destinations.c.name, destinations.c.id)
+    if tenant_id is not None:
+        query = query.where(destinations.c.tenant_id == tenant_id)
+    if destination_id is not None:
+        query = query.where(destinations.c.id == destination_id)
+    async with engine.connect() as conn:
+        return [dict(r) for r in (await conn.execute(query)).mappings().all()]
+
+
+def check_confirmation(outcome: Status, confirmed_by: str | None) -> None:
+    """A Completed says what confirmed it, and only a Completed does (ck_export_jobs_confirmed): said here, so that
+    a write that would match nothing still fails loudly for a caller that forgot it."""
+    if (outcome is Status.COMPLETED) != (confirmed_by is not None):
+        raise ValueError("a Completed says what confirmed it, and only a Completed does")
+
+
 class JobStore:
     def __init__(
         self,
@@ -78,9 +97,7 @@ class JobStore:
             return [row.id for row in await conn.execute(query)]
 
     async def read_destinations(self) -> list[dict[str, Any]]:
-        async with self.engine.connect() as conn:
-            rows = (await conn.execute(select(destinations).order_by(destinations.c.id))).mappings().all()
-        return [dict(row) for row in rows]
+        return await read_destinations(self.engine)
 
     async def attempt_delivering(self, attempt_id: UUID) -> bool:
         """Whether this attempt still holds a row in Delivering: its upload may still run."""
@@ -274,8 +291,7 @@ class JobStore:
         confirmed_by: str | None = None,
     ) -> bool:
         """The terminal write after cutoff 2; a Completed says what confirmed it (sha256, acknowledgment, size)."""
-        if (outcome is Status.COMPLETED) != (confirmed_by is not None):
-            raise ValueError("a Completed says what confirmed it, and only a Completed does")
+        check_confirmation(outcome, confirmed_by)
         return await self._finish(
             "finish_delivery", "Finished", outcome, failure_reason,
             job_id=job_id,

@@ -13,6 +13,7 @@ from uuid import UUID
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from store.jobs import check_confirmation
 from store.models import Status
 from store.statements import statement, write
 
@@ -102,8 +103,7 @@ class Recovery:
         if resolution not in _RESOLUTIONS:
             # The statement refuses it too; failing here says why instead of matching nothing.
             raise ValueError(f"recovery resolves only to Completed or OutcomeUnknown, not {resolution}")
-        if (resolution is Status.COMPLETED) != (confirmed_by is not None):
-            raise ValueError("a Completed says what confirmed it, and only a Completed does")
+        check_confirmation(resolution, confirmed_by)
         return await self._takeover(
             "recovery_resolve",
             job_id=job_id,
