@@ -435,11 +435,12 @@ def temp_file_name(final_name: str, attempt_id: UUID) -> str:
     return f".{final_name}.{attempt_id}.part"
 
 
-async def sweep_temp_files(dest: DestinationConfig, *, is_live: Callable[[UUID], Awaitable[bool]],
-                           timeout: float = 30.0) -> dict[str, list[str]]:
+async def sweep_temp_files(dest: DestinationConfig, *, is_ours: Callable[[str], Awaitable[bool]],
+                           is_live: Callable[[UUID], Awaitable[bool]], timeout: float = 30.0) -> dict[str, list[str]]:
     """Remove our temporary files in the destination's temp_dir that are older than the partner's contract allows
     (recovery cannot tell a dead worker from a paused one, so only age can) and whose attempt is not live
-    (`is_live`: still Delivering). Files of other names are never touched.
+    (`is_live`: still Delivering). Ours means named after a final name of this destination's exports (`is_ours`):
+    another tenant's files in a shared directory, and files of other names, are never touched.
     Returns the names removed, kept (too young or live), and the removals that failed, with why."""
     found: dict[str, list[str]] = {"removed": [], "kept": [], "failed": []}
     async with asyncio.timeout(timeout):
@@ -448,7 +449,7 @@ async def sweep_temp_files(dest: DestinationConfig, *, is_live: Callable[[UUID],
             cutoff = time.time() - dest.contract.temp_file_max_age_seconds
             for entry in names:
                 match = _TEMP_NAME.match(entry.filename)
-                if match is None:
+                if match is None or not await is_ours(match["final"]):
                     continue
                 mtime = entry.attrs.mtime
                 if mtime is None or mtime > cutoff or await is_live(UUID(match["attempt"])):

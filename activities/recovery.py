@@ -115,8 +115,9 @@ class RecoveryActivities:
         if row is None:
             return PartnerSweepOutput(destination_id=ref.destination_id, error="no such destination")
         try:
-            found = await partner.sweep_temp_files(partner.DestinationConfig.from_row(row),
-                                                   is_live=self.store.attempt_delivering)
+            found = await partner.sweep_temp_files(
+                partner.DestinationConfig.from_row(row), is_live=self.store.attempt_delivering,
+                is_ours=lambda name: self.store.final_name_in_use(ref.destination_id, name))
         except Exception as exc:
             log.warning("could not sweep the temporary files of destination %s: %s", ref.destination_id, exc)
             return PartnerSweepOutput(destination_id=ref.destination_id, error=f"{type(exc).__name__}: {exc}"[:300])

@@ -106,6 +106,13 @@ class JobStore:
         async with self.engine.connect() as conn:
             return (await conn.execute(query)).first() is not None
 
+    async def final_name_in_use(self, destination_id: UUID, final_name: str) -> bool:
+        """Whether an export to this destination has this final name (names carry the tenant: migration 0007)."""
+        query = select(export_jobs.c.id).where(export_jobs.c.destination_id == destination_id,
+                                               export_jobs.c.final_name == final_name).limit(1)
+        async with self.engine.connect() as conn:
+            return (await conn.execute(query)).first() is not None
+
     async def request_cancellation(
         self, *, tenant_id: UUID, job_id: UUID, request_id: UUID, requested_by: str, reason: str | None
     ) -> CancellationResult:

@@ -106,15 +106,8 @@ class JobRow(BaseModel):
     confirmed_by: str | None = None
     # Why policy refused it (Rejected only).
     rejection_reason: str | None = None
-
-    @property
-    def final_name(self) -> str:
-        return final_file_name(self.delivery_key)
-
-
-def final_file_name(delivery_key: str) -> str:
-    """The partner-facing name: a function of the delivery key, so every attempt and replacement agrees on it."""
-    return f"contacts-{delivery_key}.csv"
+    # The partner-facing name, written at creation (with the tenant in it) and copied by replacements.
+    final_name: str
 
 
 class CancellationResult(BaseModel):

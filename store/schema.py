@@ -77,6 +77,7 @@ export_jobs = Table(
     Column("sweep_count", Integer, nullable=False),
     Column("confirmed_by", Text),
     Column("rejection_reason", Text),
+    Column("final_name", Text, nullable=False),
 )
 
 deliveries = Table(

@@ -273,7 +273,7 @@ async def check_invariants(c: Chaos) -> tuple[list[str], list[str], dict[str, An
     for job_id, row in rows.items():
         status = Status(row["status"])
         failure = FailureCode(row["failure_reason"]) if row["failure_reason"] else None
-        final = f"contacts-{row['delivery_key']}.csv"
+        final = row["final_name"]
         evts = events[job_id]
         by_kind = Counter(e["kind"] for e in evts)
 
@@ -364,15 +364,14 @@ async def check_invariants(c: Chaos) -> tuple[list[str], list[str], dict[str, An
             violations.append(f"request {rid} has {n} records")
 
     # Files at the partner that belong to no export, and leftovers in the temporary folder.
-    known = {f"contacts-{row['delivery_key']}.csv" for row in rows.values()}
+    known = {row["final_name"] for row in rows.values()}
     for name in sorted(out_files - known):
         violations.append(f"unexpected file at the partner: {name}")
-    by_key = {row["delivery_key"]: job_id for job_id, row in rows.items()}
+    by_final = {row["final_name"]: job_id for job_id, row in rows.items()}
     for name in temp_files:
-        # .contacts-<key>.csv.<attempt>.part
-        stem = name.removeprefix(".contacts-").removesuffix(".part")
-        key, _, attempt = stem.partition(".csv.")
-        job_id = by_key.get(key)
+        # .<final name>.<attempt>.part
+        final, _, attempt = name.removeprefix(".").removesuffix(".part").rpartition(".")
+        job_id = by_final.get(final)
         if job_id is None:
             violations.append(f"temporary file of no known export: {name}")
             continue

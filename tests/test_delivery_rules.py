@@ -89,7 +89,7 @@ async def test_occupied_final_name__original_fails_final_name_occupied_with_noth
     h = harness
     job_id = uuid.uuid4()
     key = f"k{uuid.uuid4().hex[:10]}"
-    squatter = outbound(h) / f"contacts-{key}.csv"
+    squatter = outbound(h) / f"contacts-{h.tenant_id}-{key}.csv"
     squatter.write_bytes(b"someone else's file\n")
     await h.exports.create(tenant_id=h.tenant_id, destination_id=h.destination_id, created_by="tests",
                            delivery_key=key, job_id=job_id)

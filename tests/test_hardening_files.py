@@ -68,11 +68,12 @@ async def test_partner_sweep_removes_only_old_temporary_files_of_attempts_that_e
     old = time.time() - contract_age - DAY
     files = {
         "ended": (partner.temp_file_name(row.final_name, ended), old),
-        "unknown attempt": (partner.temp_file_name("contacts-gone.csv", uuid.uuid4()), old),
+        "unknown attempt": (partner.temp_file_name(row.final_name, uuid.uuid4()), old),
         "live": (partner.temp_file_name((await h.store.read_job(live_job)).final_name, live), old),
         "young": (partner.temp_file_name((await h.store.read_job(young_job)).final_name, young),
                   time.time() - contract_age + DAY),
         "not ours": ("upload-in-progress.tmp", old),
+        "no export of ours": (partner.temp_file_name("contacts-gone.csv", uuid.uuid4()), old),
     }
     for name, mtime in files.values():
         (temp / name).write_bytes(b"partial contact data")
@@ -82,7 +83,7 @@ async def test_partner_sweep_removes_only_old_temporary_files_of_attempts_that_e
                                             task_queue=h.settings.task_queue, result_type=list[PartnerSweepOutput])
 
     remaining = sorted(p.name for p in temp.iterdir())
-    assert remaining == sorted(files[k][0] for k in ("live", "young", "not ours"))
+    assert remaining == sorted(files[k][0] for k in ("live", "young", "not ours", "no export of ours"))
     [report] = [s for s in swept if s.destination_id == h.destination_id]
     assert sorted(report.removed) == sorted(files[k][0] for k in ("ended", "unknown attempt"))
     assert report.failed == [] and report.error is None

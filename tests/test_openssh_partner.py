@@ -52,7 +52,7 @@ async def test_openssh__delivery_completes_and_matches(harness: Harness, openssh
 @pytest.mark.spec("IU2")
 async def test_openssh__occupied_final_name_fails_with_nothing_uploaded(harness: Harness, openssh: OpenSshPartner):
     key = f"k{uuid.uuid4().hex[:10]}"
-    squatter = openssh.root / "outbound" / f"contacts-{key}.csv"
+    squatter = openssh.root / "outbound" / f"contacts-{harness.tenant_id}-{key}.csv"
     squatter.write_bytes(b"already here\n")
     row = await run_export(harness, await openssh_destination(harness, openssh), delivery_key=key)
     assert (row.status, row.failure_reason) == (Status.FAILED, FailureCode.FINAL_NAME_OCCUPIED)

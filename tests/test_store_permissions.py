@@ -486,9 +486,10 @@ async def test_app_role_cannot_insert_a_settled_job_or_one_without_its_wakeup(db
     steps = [
         ("INSERT INTO deliveries (tenant_id, delivery_key, original_job_id) VALUES ($1, $2, $3)",
          tenant_id, key, job_id),
-        ("INSERT INTO export_jobs (id, tenant_id, status, version, destination_id, delivery_key, created_by, "
-         "woken_at, confirmed_by) VALUES ($1, $2, $3, 1, $4, $5, 'intruder', clock_timestamp(), $6)",
-         job_id, tenant_id, status, destination_id, key, confirmed_by),
+        ("INSERT INTO export_jobs (id, tenant_id, status, version, destination_id, delivery_key, final_name, "
+         "created_by, woken_at, confirmed_by) VALUES ($1, $2, $3, 1, $4, $5, $7, "
+         "'intruder', clock_timestamp(), $6)",
+         job_id, tenant_id, status, destination_id, key, confirmed_by, f"contacts-{tenant_id}-{key}.csv"),
     ]
     if with_wakeup:
         steps.append(("INSERT INTO outbox (message_id, kind, job_id, created_at) "
