@@ -1,4 +1,10 @@
-"""What the evidence says about a Delivering attempt whose worker went quiet (reference design, Recovery).
+"""Delivery evidence: how an attempt writes it through an outage, and what it says about a Delivering attempt
+whose worker went quiet (reference design, Recovery).
+
+`EvidenceLog`: the attempt appends its records in the order it observed them. A record the database did not take
+(it was away) is kept and written before the next one, and `flush` writes what is kept before the attempt's
+terminal write: an outage delays evidence, never loses or reorders it. A record the database refuses for good (a
+value it cannot store) is dropped with an error in the log, since no retry could store it.
 
 A receipt the attempt appended is judged by exactly the rule its worker would have applied after the rename
 (activities/outcomes.py). Without one, recovery takes its own look at the final name, with every evidence by
@@ -13,11 +19,48 @@ outlast any timeout. Everything else is OutcomeUnknown, for reconciliation.
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 from activities import outcomes
 from activities.partner import PartnerContract
+from store import errors
 from store.models import JobRow, Status
+
+log = logging.getLogger(__name__)
+
+
+class EvidenceLog:
+    def __init__(self, append: Callable[[dict[str, Any]], Awaitable[None]], *, attempt: object) -> None:
+        self._append = append
+        self._attempt = attempt
+        self._kept: list[dict[str, Any]] = []
+
+    @property
+    def kept(self) -> int:
+        return len(self._kept)
+
+    async def record(self, detail: dict[str, Any]) -> None:
+        """Append now if the database answers; otherwise keep it, in order, for the next append or `flush`."""
+        self._kept.append(detail)
+        try:
+            await self.flush()
+        except Exception as exc:
+            log.warning("evidence of attempt %s (step %s) kept for later, %d record(s) waiting: %s",
+                        self._attempt, detail.get("step"), len(self._kept), errors.describe(exc))
+
+    async def flush(self) -> None:
+        """Write every kept record, oldest first. Raises the error of one the database may take later."""
+        while self._kept:
+            try:
+                await self._append(self._kept[0])
+            except Exception as exc:
+                if errors.is_transient(exc):
+                    raise
+                log.error("evidence of attempt %s (step %s) dropped, the database refused it: %s",
+                          self._attempt, self._kept[0].get("step"), errors.describe(exc))
+            self._kept.pop(0)
 
 
 def attempt_evidence(events: list[dict[str, Any]], attempt_id: object) -> list[dict[str, Any]]:

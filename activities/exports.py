@@ -33,6 +33,7 @@ from activities.contracts import (
     DeliverOutput,
     Evaluation,
 )
+from activities.evidence import EvidenceLog
 from activities.lease import LeaseKeeper, heartbeating
 from activities.stop_watch import StopWatch
 from store import errors
@@ -336,6 +337,23 @@ class ExportActivities:
             if result is not AuthorizationResult.AUTHORIZED:
                 await lease.finish()
 
+    async def _through_outage(self, what: str, step: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """`step` again while PostgreSQL is away (a transient error), one log line a try, backing off to 5 s, for
+        at most `store_outage_patience_seconds`; then its last error."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.store_outage_patience_seconds
+        delay = 0.5
+        while True:
+            try:
+                return await step()
+            except Exception as exc:
+                if not errors.is_transient(exc) or loop.time() + delay > deadline:
+                    raise
+                log.warning("%s waits for the database (%s); trying again in %.1f s", what, errors.describe(exc),
+                            delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
     async def _replacement(self, job: JobRow) -> partner.Replacement | None:
         """For a replacement, what identifies its original's file, and whether an overwrite was agreed."""
         if job.replaces_job_id is None:
@@ -364,8 +382,9 @@ class ExportActivities:
         progress = {"sent": 0, "total": file.size}
         observed_by = f"{self.worker_id}/{attempt_id}"
 
-        async def record_evidence(detail: dict[str, Any]) -> None:
-            await self.store.append_evidence(job.id, attempt_id, observed_by, detail)
+        evidence = EvidenceLog(lambda detail: self.store.append_evidence(job.id, attempt_id, observed_by, detail),
+                               attempt=attempt_id)
+        record_evidence = evidence.record
 
         lease = self._keeper(job.id, attempt_id, file.holder)
         try:
@@ -375,10 +394,7 @@ class ExportActivities:
                 if not await lease.confirm(within=self.settings.lease_seconds):
                     summary = "not uploaded: the attempt could not confirm its lease before connecting"
                     log.warning("export %s attempt %s: %s", job.id, attempt_id, summary)
-                    try:
-                        await record_evidence({"step": "not_uploaded", "why": summary})
-                    except Exception as exc:
-                        log.warning("could not record that %s uploaded nothing: %s", attempt_id, exc)
+                    await record_evidence({"step": "not_uploaded", "why": summary})
                     return DeliverOutput(summary=summary, written=False)
                 destination = await self.store.read_destination(job.tenant_id, job.destination_id)
                 if destination is None:
@@ -400,10 +416,16 @@ class ExportActivities:
                 await self.checkpoints.reached(checkpoints.AFTER_RECEIPT, job.id)
                 outcome = Status(result.outcome)
                 failure = FailureCode(result.failure_reason) if result.failure_reason else None
+                async def evidence_then_outcome() -> bool:
+                    await evidence.flush()
+                    return await self.store.finish_delivery(job.id, attempt_id, outcome, failure, result.summary,
+                                                            holder=file.holder, confirmed_by=result.confirmed_by)
+
+                # Only this attempt knows what happened at the partner: wait out an outage rather than leave
+                # recovery to judge without the receipt. The keeper keeps renewing meanwhile.
                 async with lease.terminal_write():
-                    written = await self.store.finish_delivery(job.id, attempt_id, outcome, failure,
-                                                               result.summary, holder=file.holder,
-                                                               confirmed_by=result.confirmed_by)
+                    written = await self._through_outage(f"the outcome of {job.id} attempt {attempt_id}",
+                                                         evidence_then_outcome)
         finally:
             remove_local_file(file.path)
             await lease.finish()

@@ -525,8 +525,8 @@ async def _record(
     """
     try:
         await record_evidence(record)
-    except Exception:
-        logger.exception("could not record delivery evidence (step %s)", record.get("step"))
+    except Exception as exc:
+        logger.warning("could not record delivery evidence (step %s): %s", record.get("step"), _describe(exc))
 
 
 async def _record_quietly(

@@ -108,6 +108,13 @@ def _wrapped(exc: BaseException) -> Iterator[BaseException]:
         current = getattr(current, "orig", None) or current.__cause__
 
 
+def describe(exc: BaseException) -> str:
+    """One line for a log: the innermost error (the driver's or the socket's), without SQLAlchemy's wrapping."""
+    root = list(_wrapped(exc))[-1]
+    text = " ".join(f"{type(root).__name__}: {root}".split())
+    return text[:300]
+
+
 def postgres_error(exc: BaseException) -> asyncpg.PostgresError | None:
     """The server's own error behind SQLAlchemy's and the adapter's wrappers, if the server answered."""
     return next((e for e in _wrapped(exc) if isinstance(e, asyncpg.PostgresError)), None)

@@ -297,10 +297,12 @@ class JobStore:
         holder: str | None = None,
         confirmed_by: str | None = None,
     ) -> bool:
-        """The terminal write after cutoff 2; a Completed says what confirmed it (sha256, acknowledgment, size)."""
+        """The terminal write after cutoff 2; a Completed says what confirmed it (sha256, acknowledgment, size).
+        Raises when neither the write nor the re-read got an answer: the delivery waits for the database (it holds
+        an outcome that only it knows), where other steps leave the attempt to recovery."""
         check_confirmation(outcome, confirmed_by)
         return await self._finish(
-            "finish_delivery", "Finished", outcome, failure_reason,
+            "finish_delivery", "Finished", outcome, failure_reason, unanswered_raises=True,
             job_id=job_id,
             attempt_id=attempt_id,
             holder=holder,
@@ -311,10 +313,12 @@ class JobStore:
         )
 
     async def _finish(
-        self, name: str, kind: str, expected: Status, code: FailureCode | None, **params: Any
+        self, name: str, kind: str, expected: Status, code: FailureCode | None, *, unanswered_raises: bool = False,
+        **params: Any
     ) -> bool:
         """A terminal write with the claim's shape: whether this attempt's terminal state is recorded. On an
-        uncertain error or no row, the row is asked; if that fails too, False, and recovery resolves the job."""
+        uncertain error or no row, the row is asked; if that fails too, False, and recovery resolves the job (or,
+        with `unanswered_raises`, the re-read's error)."""
         job_id, attempt_id = params["job_id"], params["attempt_id"]
         try:
             if await self._write(name, **params) == 1:
@@ -322,14 +326,14 @@ class JobStore:
         except Exception as exc:
             if not errors.is_uncertain(exc):
                 raise
-            log.warning("%s of %s for attempt %s is uncertain: %s", name, job_id, attempt_id, exc)
+            log.warning("%s of %s for attempt %s is uncertain: %s", name, job_id, attempt_id, errors.describe(exc))
         try:
             row = await self._bounded_reread("finish_reread", job_id=job_id, attempt_id=attempt_id, kind=kind)
         except Exception as exc:
-            if not (errors.is_uncertain(exc) or isinstance(exc, TimeoutError)):
+            if unanswered_raises or not (errors.is_uncertain(exc) or isinstance(exc, TimeoutError)):
                 raise
-            log.warning("re-read after %s of %s for attempt %s failed, leaving it to recovery: %r",
-                        name, job_id, attempt_id, exc)
+            log.warning("re-read after %s of %s for attempt %s failed, leaving it to recovery: %s",
+                        name, job_id, attempt_id, errors.describe(exc))
             return False
         # The expected state, code and owner together, and this attempt's own event: not recovery's resolution.
         return (

@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     partner_sweep_interval_seconds: float = Field(3600.0, ge=1)
     # How often a worker removes built files that no attempt can use any more (contact data on its disk).
     scavenge_interval_seconds: float = Field(300.0, gt=0)
+    # How long a delivery that has its outcome waits for PostgreSQL to take its evidence and terminal write, before
+    # it leaves the attempt to recovery (which then judges from what the partner shows).
+    store_outage_patience_seconds: float = Field(600.0, gt=0)
 
     work_dir: Path = Path(".exports/work")
     # Fault injection only: checkpoints (activities/checkpoints.py) where a worker holds, for a test to kill it.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import uuid
 from collections.abc import AsyncIterator
@@ -15,7 +16,7 @@ import pytest
 from store.models import Status
 from tests.faults import fault_proxy
 from tests.support import eventually
-from tests.test_crash_workflow import crash_world, processes
+from tests.test_crash_workflow import LEASE, crash_world, processes
 from tests.workflow_support import WorkerProcess
 
 BOUND = 60.0
@@ -90,3 +91,48 @@ async def test_a_worker_started_while_postgresql_and_temporal_are_away_waits_and
         # logged by the SDK, with their tracebacks: that is issue OU6's, not this one's).
         start = worker.log_path.read_text().split("polling", 1)[0]
         assert "Traceback" not in start and start.count("trying again in") >= 2
+
+
+@pytest.mark.spec("OU3")
+async def test_an_upload_that_finishes_during_a_postgresql_outage_is_recorded_with_its_evidence_afterwards(
+        db, store, client, tmp_path):
+    """PostgreSQL goes away as the upload begins and stays away for three leases after the rename: the receipt
+    and the terminal write wait for it, in order, and the delivered file ends Completed by sha256, recorded by
+    the attempt itself (no recovery runs here)."""
+    async with crash_world(db, store, client, tmp_path, upload_throttle_bytes_per_second=8000) as h, \
+            processes(h) as started, fault_proxy(db.server.socket_dir) as pg:
+        await h.db.admin.execute("UPDATE destinations SET hash_evidence = 'read_back' WHERE id = $1",
+                                 h.destination_id)
+        outage, renamed = asyncio.Event(), asyncio.Event()
+
+        async def cut_on_first_write(path: str, offset: int) -> None:
+            if not outage.is_set():
+                outage.set()
+                pg.refuse_new_connections()
+                pg.cut_all()
+
+        async def note_rename(old: str, new: str) -> None:
+            renamed.set()
+
+        h.partner.hooks.on_write, h.partner.hooks.after_rename = cut_on_first_write, note_rename
+        worker = await WorkerProcess(h.settings, database_url=pg.url("exports_app", db.name)).start()
+        started.append(worker)
+        job_id = await h.create()
+        await asyncio.wait_for(renamed.wait(), timeout=BOUND)
+        assert outage.is_set()  # the outage began with the upload, and the rename came during it
+        await asyncio.sleep(3 * LEASE)  # the upload is done; the lease lapses meanwhile
+        assert pg.refused >= 1  # the worker did try: renewals, evidence, the terminal write
+        assert (await h.store.read_job(job_id)).status is Status.DELIVERING
+        pg.accept_new_connections()
+        row = await eventually(lambda: h.store.read_job(job_id), lambda r: r.status.is_settled,
+                               timeout=BOUND, interval=0.2, what="the export settled")
+
+    assert (row.status, row.confirmed_by) == (Status.COMPLETED, "sha256")
+    evts = await db.admin.fetch("SELECT kind, detail FROM export_attempt_events WHERE job_id = $1 AND "
+                                "attempt_id = $2 ORDER BY id", job_id, row.attempt_id)
+    steps = [json.loads(e["detail"])["step"] if e["kind"] == "DeliveryEvidence" else e["kind"] for e in evts]
+    # Every record the outage held back, in the order observed, and all of them before the terminal write.
+    assert steps == ["Claimed", "BuildStarted", "DeliveryAuthorized", "baseline", "rename", "receipt",
+                     "Finished"], steps
+    log = worker.log_path.read_text()
+    assert "kept for later" in log and log.count("Traceback") == 0, log[-3000:]

@@ -309,16 +309,34 @@ async def test_terminal_write_cut_before_the_server__reread_reports_false(db, st
 
 
 async def test_terminal_write_lost_and_reread_refused__false_without_raising(db, store, proxy, faulty, caplog):
+    job_id, attempt_id = await _arrange_terminal(db, store, "failed")
+    await warm(faulty, proxy, job_id)
+    proxy.refuse_new_connections()
+    cut = proxy.cut_after_commit("WITH failed AS")
+    with caplog.at_level(logging.WARNING, logger="store.jobs"):
+        written = await bounded(faulty.finish_failed(job_id, attempt_id, FailureCode.BUILD_FAILED, "disk full"))
+    assert cut.is_set() and written is False
+    assert any("leaving it to recovery" in r.getMessage() for r in caplog.records)
+    # It did commit: recovery, not this attempt, will find the row Failed.
+    assert (await job_row(db, job_id))["status"] == "Failed"
+
+
+@pytest.mark.spec("OU3")
+async def test_delivery_terminal_write_lost_and_reread_refused__raises_so_the_delivery_asks_again(
+        db, store, proxy, faulty):
+    """The delivery alone knows its outcome: no answer is an error it waits out, and asking again after the
+    database returns finds its own commit."""
     job_id, attempt_id = await _arrange_terminal(db, store, "delivery")
     await warm(faulty, proxy, job_id)
     proxy.refuse_new_connections()
     cut = proxy.cut_after_commit("WITH finished AS")
-    with caplog.at_level(logging.WARNING, logger="store.jobs"):
-        written = await bounded(faulty.finish_delivery(job_id, attempt_id, Status.COMPLETED, None, "confirmed",
-                                                       confirmed_by="size"))
-    assert cut.is_set() and written is False
-    assert any("leaving it to recovery" in r.getMessage() for r in caplog.records)
-    # It did commit: recovery, not this attempt, will find the row Completed.
+    with pytest.raises(Exception) as raised:
+        await bounded(faulty.finish_delivery(job_id, attempt_id, Status.COMPLETED, None, "confirmed",
+                                             confirmed_by="size"))
+    assert cut.is_set() and errors.is_transient(raised.value)
+    proxy.accept_new_connections()
+    assert await bounded(faulty.finish_delivery(job_id, attempt_id, Status.COMPLETED, None, "confirmed",
+                                                confirmed_by="size")) is True
     assert (await job_row(db, job_id))["status"] == "Completed"
 
 
