@@ -136,3 +136,55 @@ async def test_an_upload_that_finishes_during_a_postgresql_outage_is_recorded_wi
                      "Finished"], steps
     log = worker.log_path.read_text()
     assert "kept for later" in log and log.count("Traceback") == 0, log[-3000:]
+
+
+@contextlib.asynccontextmanager
+async def silent_temporal() -> AsyncIterator[tuple[str, list[int]]]:
+    """An address that accepts connections and never answers: Temporal hung, as the dispatcher sees it."""
+    accepted: list[int] = []
+    held: list[asyncio.StreamWriter] = []
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(1)
+        held.append(writer)
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    try:
+        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}", accepted
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+
+
+@pytest.mark.spec("OU4")
+async def test_the_dispatcher_holds_no_row_lock_while_temporal_does_not_answer(db, store):
+    from temporalio.client import Client
+
+    from starter.dispatcher import OutboxDispatcher
+    from store.db import asyncpg_dsn, make_engine
+    from tests.support import create_job, seed_tenant
+
+    tenant_id, destination_id = await seed_tenant(db.admin)
+    for _ in range(5):
+        await create_job(store, tenant_id, destination_id)
+    engine = make_engine(db.url("dispatcher"))
+    async with silent_temporal() as (address, accepted):
+        temporal = await Client.connect(address, lazy=True)
+        dispatcher = OutboxDispatcher(temporal, engine, asyncpg_dsn(db.url("dispatcher")),
+                                      task_queue="exports-ou4", poll_seconds=0.2)
+        try:
+            dispatching = asyncio.create_task(dispatcher.dispatch_once())
+            await eventually(lambda: asyncio.sleep(0, len(accepted)), bool, timeout=BOUND, interval=0.05,
+                             what="the dispatcher waiting on Temporal")
+            # Meanwhile every unpublished row can be locked at once: no dispatcher holds one while it waits.
+            async with db.admin.transaction():
+                locked = await db.admin.fetch("SELECT message_id FROM outbox WHERE published_at IS NULL "
+                                              "FOR UPDATE NOWAIT")
+            assert len(locked) == 5
+            # And a Temporal that does not answer ends the pass after one publication, not one per row.
+            published = await asyncio.wait_for(dispatching, timeout=BOUND)
+        finally:
+            await engine.dispose()
+    assert published == 0
+    assert await db.admin.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 5
