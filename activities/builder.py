@@ -65,17 +65,21 @@ async def build_contacts_csv(
     on_progress: Callable[[int], None] = lambda size: None,
     throttle_bytes_per_second: int = 0,
 ) -> tuple[int, str]:
-    """Write the tenant's contacts to `path`; returns (bytes, sha256 hex)."""
+    """Write the tenant's contacts to `path`; returns (bytes, sha256 hex). The file is written under
+    `partial_path(path)` and renamed to `path` once whole and synced, so a file under `path` is always a finished
+    build (a resumption may deliver it: see the build activity)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    partial = partial_path(path)
     conn: asyncpg.Connection | None = None
     finished = False
     try:
         conn = await asyncpg.connect(dsn)
-        with open(path, "wb") as handle:
+        with open(partial, "wb") as handle:
             sink = _HashingSink(handle, on_progress, throttle_bytes_per_second)
             await conn.copy_from_query(CONTACTS_QUERY, tenant_id, output=sink, format="csv", header=True)
             handle.flush()
             os.fsync(handle.fileno())
+        os.replace(partial, path)
         finished = True
         return sink.size, sink.sha256.hexdigest()
     except asyncio.CancelledError:
@@ -90,7 +94,21 @@ async def build_contacts_csv(
             else:
                 conn.terminate()
         if not finished:
-            remove_local_file(path)
+            remove_local_file(partial)
+
+
+def partial_path(path: Path) -> Path:
+    return path.with_name(path.name + ".partial")
+
+
+def size_and_sha256(path: Path) -> tuple[int, str]:
+    """What a finished build file holds, read back from the disk."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
 
 
 def remove_local_file(path: Path | str) -> bool:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Callable, Coroutine
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 from uuid import UUID
@@ -15,7 +16,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities import checkpoints, partner
-from activities.builder import BuildError, build_contacts_csv, remove_local_file
+from activities.builder import BuildError, build_contacts_csv, remove_local_file, size_and_sha256
 from activities.contracts import (
     MAX_NAME,
     MAX_REASON,
@@ -45,6 +46,9 @@ from store.settings import Settings
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# Allowance for the worker's clock against the Temporal server's (NTP keeps them within milliseconds), in the
+# schedule-to-start check of a build: small, since a paused worker's task may reach it just after the bound.
+_CLOCK_MARGIN_SECONDS = 0.1
 
 
 async def run_to_end(work: Coroutine[Any, Any, T], on_cancel: Callable[[], None] = lambda: None) -> T:
@@ -199,6 +203,13 @@ class ExportActivities:
         again here) after its worker went quiet: it first takes the attempt's build slot, which fences any earlier
         build of the attempt and fails once a takeover has committed."""
         job, attempt_id = request.job, request.attempt_id
+        late = self._started_late()
+        if late is not None:
+            # A task handed to this worker while it was paused (a poll it had open): Temporal already timed it out
+            # and the workflow moved on, so taking the build slot now would only fence the build that replaced it.
+            log.warning("build of %s attempt %s reached this worker %.1f s after it was scheduled, past its "
+                        "schedule-to-start bound; it does nothing", job.id, attempt_id, late)
+            return BuildOutput(ended="StartedLate")
         token = uuid.uuid4().hex[:12]
         holder = f"{self.worker_id}/{token}"
         # One file per build, so a fenced build never writes the file a later one built.
@@ -218,6 +229,12 @@ class ExportActivities:
 
         detail = ("first build" if request.resumption == 0
                   else f"resumed ({request.resumption}) after its build went quiet")
+        # A build of this attempt that finished here but whose completion Temporal never heard of (it was away):
+        # the resumption delivers that file instead of reading the contacts again. Renamed to this build's name
+        # first, so that from this build's start it is this build's file.
+        reused = self._take_finished_build(job.id, attempt_id, path) if request.resumption else False
+        if reused:
+            detail += ", with the file an earlier build of it finished on this worker"
         if not await self.store.start_build(job.id, attempt_id, holder, detail):
             return BuildOutput(ended="LostOwnership")  # write nothing: another attempt owns the row now
         lease = self._keeper(job.id, attempt_id, holder, on_lost)
@@ -233,14 +250,19 @@ class ExportActivities:
                 try:
                     async with StopWatch(self.store, asyncpg_dsn(self.settings.database_url), job.id, attempt_id,
                                          on_stop):
-                        await self.checkpoints.reached(checkpoints.BUILD_STARTED, job.id)
-                        size, sha256_hex = await build_contacts_csv(
-                            asyncpg_dsn(self.settings.database_url),
-                            job.tenant_id,
-                            path,
-                            on_progress=lambda size: progress.update(bytes=size),
-                            throttle_bytes_per_second=self.settings.build_throttle_bytes_per_second,
-                        )
+                        if reused and path.exists():
+                            size, sha256_hex = await asyncio.to_thread(size_and_sha256, path)
+                            log.info("export %s attempt %s: delivering the file an earlier build finished (%d "
+                                     "bytes)", job.id, attempt_id, size)
+                        else:
+                            await self.checkpoints.reached(checkpoints.BUILD_STARTED, job.id)
+                            size, sha256_hex = await build_contacts_csv(
+                                asyncpg_dsn(self.settings.database_url),
+                                job.tenant_id,
+                                path,
+                                on_progress=lambda size: progress.update(bytes=size),
+                                throttle_bytes_per_second=self.settings.build_throttle_bytes_per_second,
+                            )
                 except asyncio.CancelledError:
                     # The stop watcher and the workflow's cancel of this activity may both fire: the second cancel
                     # must not cut off the stop's write halfway, so the write runs to its end.
@@ -263,6 +285,23 @@ class ExportActivities:
         finally:
             if not handed_over:
                 await lease.finish()
+
+    def _started_late(self) -> float | None:
+        """Seconds since the task was scheduled, if past its schedule-to-start bound (one lease) and a margin."""
+        elapsed = (datetime.now(timezone.utc) - activity.info().current_attempt_scheduled_time).total_seconds()
+        return elapsed if elapsed > self.settings.lease_seconds + _CLOCK_MARGIN_SECONDS else None
+
+    def _take_finished_build(self, job_id: UUID, attempt_id: UUID, path: Path) -> bool:
+        """Rename a finished build file of this attempt on this worker (the newest, if several) to `path`."""
+        found = sorted(Path(self.settings.work_dir).glob(f"{job_id}-{attempt_id}-*.csv"),
+                       key=lambda p: p.stat().st_mtime if p.exists() else 0)
+        for candidate in reversed(found):
+            try:
+                candidate.rename(path)
+                return True
+            except OSError:  # removed meanwhile (the scavenger): try the next, or build
+                continue
+        return False
 
     async def _after_build_cancelled(
         self, lease: LeaseKeeper, lost: asyncio.Event, job_id: UUID, attempt_id: UUID, holder: str

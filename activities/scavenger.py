@@ -16,8 +16,10 @@ from store.models import Status
 
 log = logging.getLogger(__name__)
 
-# <job>-<attempt>-<build token>.csv; the token is the last part of the build's holder (claimed_by).
-_BUILT = re.compile(r"^(?P<job>[0-9a-f-]{36})-(?P<attempt>[0-9a-f-]{36})(?:-(?P<token>[0-9a-f]+))?\.csv$")
+# <job>-<attempt>-<build token>.csv (and .csv.partial while it is written); the token is the last part of the
+# build's holder (claimed_by).
+_BUILT = re.compile(
+    r"^(?P<job>[0-9a-f-]{36})-(?P<attempt>[0-9a-f-]{36})(?:-(?P<token>[0-9a-f]+))?\.csv(?:\.partial)?$")
 
 
 async def scavenge(store: JobStore, work_dir: Path) -> list[Path]:

@@ -234,10 +234,13 @@ async def test_worker_killed_mid_build__resumed_elsewhere_under_the_same_attempt
     assert partner_files(h) == [row.final_name]
 
     builds = named(await activity_runs(h, job_id), "build")
-    assert [b.input.attempt_id for b in builds] == [attempt_id, attempt_id]
-    first, resumed = builds
+    assert [b.input.attempt_id for b in builds] == [attempt_id] * 3
+    first, returned, resumed = builds
     assert first.extra["timeout"] == TimeoutType.TIMEOUT_TYPE_HEARTBEAT
     assert first.outcome == "timed_out" and first.task_queue.startswith(f"{h.settings.task_queue}-")
+    # First back to the same worker, which might hold a finished file (OU4); nobody polls there any more.
+    assert returned.task_queue == first.task_queue and returned.outcome == "timed_out"
+    assert returned.extra["timeout"] == TimeoutType.TIMEOUT_TYPE_SCHEDULE_TO_START
     assert resumed.task_queue == h.settings.task_queue and resumed.outcome == "completed"
     assert resumed.result.file is not None
 
@@ -274,12 +277,13 @@ async def test_worker_killed_mid_build__after_a_takeover_the_resumed_build_write
 
     runs = await activity_runs(h, job_id)
     builds = named(runs, "build")
-    assert [b.input.attempt_id for b in builds] == [first_attempt, first_attempt, second_attempt]
-    assert builds[0].outcome == "timed_out"
+    assert [b.input.attempt_id for b in builds] == [first_attempt] * 3 + [second_attempt]
+    # The dead worker's build, then its return to that worker's queue (OU4), both timed out.
+    assert [b.outcome for b in builds[:2]] == ["timed_out", "timed_out"]
     # The resumed build's renewal matched nothing: it ended without a file and without a write.
-    assert builds[1].outcome == "completed" and builds[1].result.ended == "LostOwnership"
-    assert builds[1].result.file is None
-    assert builds[2].outcome == "completed" and builds[2].result.file is not None
+    assert builds[2].outcome == "completed" and builds[2].result.ended == "LostOwnership"
+    assert builds[2].result.file is None
+    assert builds[3].outcome == "completed" and builds[3].result.file is not None
     assert len(named(runs, "authorize_delivery")) == 1 and len(named(runs, "deliver")) == 1
 
 
@@ -328,7 +332,8 @@ async def test_job_that_kills_its_worker_every_attempt_ends_failed_at_the_cap(db
     # Each dead build was resumed by the next worker, and each resumption's renewal matched nothing.
     builds = named(runs, "build")
     assert [(b.input.attempt_id, b.outcome) for b in builds] == [
-        (attempts[0], "timed_out"), (attempts[0], "completed"), (attempts[1], "timed_out"), (attempts[1], "completed")]
+        (attempts[0], "timed_out"), (attempts[0], "timed_out"), (attempts[0], "completed"),
+        (attempts[1], "timed_out"), (attempts[1], "timed_out"), (attempts[1], "completed")]
     assert [b.result.ended for b in builds if b.result] == ["LostOwnership", "LostOwnership"]
 
 

@@ -188,3 +188,41 @@ async def test_the_dispatcher_holds_no_row_lock_while_temporal_does_not_answer(d
             await engine.dispose()
     assert published == 0
     assert await db.admin.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 5
+
+
+@pytest.mark.spec("OU4")
+async def test_a_build_that_finished_while_temporal_was_down_is_not_built_again(db, store, tmp_path):
+    """The Temporal server stops as a build runs and starts again (on its database file) three leases after the
+    build finished: the completion was never reported, the build's heartbeat times out, and the resumption on the
+    same worker delivers the file that build finished rather than reading the contacts again."""
+    from temporalio.client import Client
+    from temporalio.contrib.pydantic import pydantic_data_converter
+
+    from starter.localstack.temporal import LocalTemporal
+    from tests.test_crash_workflow import events, start
+    from tests.workflow_support import held_at
+
+    temporal = LocalTemporal(tmp_path / "temporal", ui_port=free_port())
+    await temporal.start()
+    try:
+        own = await Client.connect(temporal.address, data_converter=pydantic_data_converter)
+        async with crash_world(db, store, own, tmp_path) as h, processes(h) as started:
+            worker = await start(started, h, hold_at="build_started", temporal_address=temporal.address)
+            job_id = await h.create()
+            await held_at(h.settings, "build_started", job_id, timeout=BOUND)
+            await temporal.stop()
+            (Path(h.settings.work_dir) / f"release-build_started-{job_id}").touch()
+            await asyncio.sleep(1.0)  # the build (200 contacts) finishes; its completion finds no server
+            # What a second build would read, and the first did not.
+            await h.db.admin.execute("UPDATE contacts SET first_name = 'Rebuilt' WHERE tenant_id = $1", h.tenant_id)
+            await asyncio.sleep(3 * LEASE)
+            await temporal.start()
+            row = await h.settled(job_id)
+            assert worker.process.returncode is None
+        assert row.status is Status.COMPLETED, row
+        delivered = (h.partner.root / "outbound" / row.final_name).read_bytes()
+        assert b"Rebuilt" not in delivered and delivered.count(b"\n") == 201
+        builds = [e for e in await events(h, job_id) if e["kind"] == "BuildStarted"]
+        assert len(builds) == 2 and "finished" in builds[1]["detail"], builds
+    finally:
+        await temporal.stop()

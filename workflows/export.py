@@ -14,7 +14,7 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey
-from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
 from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
@@ -311,7 +311,13 @@ class ExportWorkflow:
         """Build on the claiming worker; if that worker is lost (it never starts the build, or stops
         heartbeating), resume on any worker under the same attempt. Each build first takes the attempt's build
         slot, which fails once a takeover has committed (so a resumed build never competes with recovery) and
-        fences any earlier build of the attempt (so a paused one that wakes up writes nothing)."""
+        fences any earlier build of the attempt (so a paused one that wakes up writes nothing).
+
+        A build that started and then went quiet may have finished with its completion lost (Temporal was away):
+        the first resumption goes back to the same worker, which delivers the finished file if it has one, and
+        only if that worker does not take it within a lease does the build resume anywhere."""
+        general = workflow.info().task_queue
+        returned_to_worker = False
         for resumption in range(_BUILD_RESUMPTIONS + 1):
             if self._stop_seen:
                 return await self._stop_without_build(attempt)
@@ -340,8 +346,14 @@ class ExportWorkflow:
                     return await self._stop_without_build(attempt)
                 if not isinstance(err.cause, TimeoutError):
                     return None  # the build ended in a way the row records (or recovery will)
-                workflow.logger.warning("build of %s lost its worker; resuming elsewhere", attempt.job.id)
-                queue = workflow.info().task_queue
+                started = err.cause.type is not TimeoutType.SCHEDULE_TO_START
+                if started and queue != general and not returned_to_worker:
+                    returned_to_worker = True
+                    workflow.logger.warning("build of %s went quiet; resuming on the same worker first",
+                                            attempt.job.id)
+                else:
+                    workflow.logger.warning("build of %s lost its worker; resuming elsewhere", attempt.job.id)
+                    queue = general
             finally:
                 self._build = None
         return None
