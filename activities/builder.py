@@ -7,6 +7,7 @@ file; every other failure is wrapped in BuildError.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import logging
 import os
@@ -26,6 +27,16 @@ CONTACTS_QUERY = (
 
 class BuildError(Exception):
     """The build failed for a reason other than a stop; nothing has left the process."""
+
+    @property
+    def disk_full(self) -> bool:
+        """The local disk (or the user's quota) had no room: space another build holds may be freed soon."""
+        cause: BaseException | None = self.__cause__
+        while cause is not None:
+            if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+                return True
+            cause = cause.__cause__ or cause.__context__
+        return False
 
 
 class _HashingSink:

@@ -256,13 +256,7 @@ class ExportActivities:
                                      "bytes)", job.id, attempt_id, size)
                         else:
                             await self.checkpoints.reached(checkpoints.BUILD_STARTED, job.id)
-                            size, sha256_hex = await build_contacts_csv(
-                                asyncpg_dsn(self.settings.database_url),
-                                job.tenant_id,
-                                path,
-                                on_progress=lambda size: progress.update(bytes=size),
-                                throttle_bytes_per_second=self.settings.build_throttle_bytes_per_second,
-                            )
+                            size, sha256_hex = await self._build_with_room(job, attempt_id, path, progress)
                 except asyncio.CancelledError:
                     # The stop watcher and the workflow's cancel of this activity may both fire: the second cancel
                     # must not cut off the stop's write halfway, so the write runs to its end.
@@ -271,6 +265,7 @@ class ExportActivities:
                         raise
                     return ended
                 except BuildError as exc:
+                    log.error("build of %s attempt %s failed: %s", job.id, attempt_id, exc)
                     async with lease.terminal_write():
                         await self.store.finish_failed(job.id, attempt_id, FailureCode.BUILD_FAILED, str(exc),
                                                        holder=holder)
@@ -285,6 +280,29 @@ class ExportActivities:
         finally:
             if not handed_over:
                 await lease.finish()
+
+    async def _build_with_room(self, job: JobRow, attempt_id: UUID, path: Path,
+                               progress: dict[str, int]) -> tuple[int, str]:
+        """The build, tried again while the disk is full (one log line a try, backing off to 30 s) for at most
+        `disk_full_patience_seconds`; any other failure at once."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.disk_full_patience_seconds
+        delay = 1.0
+        while True:
+            try:
+                return await build_contacts_csv(
+                    asyncpg_dsn(self.settings.database_url), job.tenant_id, path,
+                    on_progress=lambda size: progress.update(bytes=size),
+                    throttle_bytes_per_second=self.settings.build_throttle_bytes_per_second,
+                )
+            except BuildError as exc:
+                if not exc.disk_full or loop.time() + delay > deadline:
+                    raise
+                log.warning("build of %s attempt %s: %s in %s; trying again in %.0f s", job.id, attempt_id, exc,
+                            path.parent, delay)
+            progress.update(bytes=0)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 30.0)
 
     def _started_late(self) -> float | None:
         """Seconds since the task was scheduled, if past its schedule-to-start bound (one lease) and a margin."""

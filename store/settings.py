@@ -49,6 +49,9 @@ class Settings(BaseSettings):
     # How long a delivery that has its outcome waits for PostgreSQL to take its evidence and terminal write, before
     # it leaves the attempt to recovery (which then judges from what the partner shows).
     store_outage_patience_seconds: float = Field(600.0, gt=0)
+    # How long a build that finds the local disk full keeps trying (space another build holds may be freed)
+    # before the attempt ends BuildFailed.
+    disk_full_patience_seconds: float = Field(600.0, ge=0)
 
     work_dir: Path = Path(".exports/work")
     # Fault injection only: checkpoints (activities/checkpoints.py) where a worker holds, for a test to kill it.

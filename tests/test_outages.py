@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import uuid
 from collections.abc import AsyncIterator
@@ -226,3 +227,41 @@ async def test_a_build_that_finished_while_temporal_was_down_is_not_built_again(
         assert len(builds) == 2 and "finished" in builds[1]["detail"], builds
     finally:
         await temporal.stop()
+
+
+@pytest.fixture
+def tiny_work_dir(tmp_path: Path):
+    """The worker's work directory on a real 64 KiB file system (tmpfs), so that a build meets a full disk."""
+    import subprocess
+
+    work = tmp_path / "work"
+    work.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(work)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small file system here: {mounted.stderr.decode().strip()}")
+    try:
+        yield work
+    finally:
+        subprocess.run(["umount", "-l", str(work)], check=False)
+
+
+@pytest.mark.spec("OU5")
+async def test_a_build_that_finds_the_disk_full_is_retried_and_says_why(db, store, client, tmp_path, tiny_work_dir,
+                                                                       caplog):
+    from contextlib import AsyncExitStack
+
+    from tests.workflow_support import open_harness
+
+    filler = tiny_work_dir / "another-build-holds-this-space"
+    filler.write_bytes(b"x" * 56 * 1024)  # what is left cannot hold 200 contacts (about 18 KB)
+    async with AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path, contacts=200)
+        with caplog.at_level(logging.WARNING):
+            job_id = await h.create()
+            await eventually(lambda: asyncio.sleep(0, caplog.text), lambda text: "No space left" in text,
+                             timeout=BOUND, interval=0.1, what="the worker saying the disk is full")
+            assert (await h.store.read_job(job_id)).status is Status.RUNNING  # not BuildFailed: waiting
+            filler.unlink()  # the other build's file is gone
+            row = await h.settled(job_id)
+    assert row.status is Status.COMPLETED, row
+    assert (h.partner.root / "outbound" / row.final_name).read_bytes().count(b"\n") == 201
