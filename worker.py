@@ -2,6 +2,11 @@
 
 It polls two task queues: the shared one (workflows, policy, claims, cancellation requests) and its own, where
 the build, cutoff 2 and the delivery of an attempt it claimed run, next to the file it built.
+
+SIGTERM (or SIGINT): the worker stops taking tasks; a build hands its attempt back (its lease ends, and the
+workflow resumes it elsewhere at once); an upload in flight has `shutdown_grace_seconds` to end (the SDK's
+graceful shutdown timeout) and, since an upload ignores cancellation, the process exits at the latest
+`shutdown_grace_seconds + 5` after the signal, leaving an upload that has not ended to recovery, as after a crash.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from activities.recovery import RecoveryActivities
 from activities.scavenger import keep_scavenging, scavenge
 from starter.dispatcher import OutboxDispatcher
 from starter.temporal import CONNECT_TIMEOUT_SECONDS, Unreachable, connect_temporal
+from store import errors
 from store.db import asyncpg_dsn, make_engine
 from store.jobs import JobStore
 from store.recovery import Recovery
@@ -60,23 +66,20 @@ async def running_worker(
     recovery = RecoveryActivities(store, Recovery(engine, max_attempts=settings.max_attempts), client=client)
     # Cancellation reaches an activity only with a heartbeat the SDK sends: keep them frequent (FACTS.md).
     throttle = timedelta(seconds=settings.heartbeat_throttle_seconds)
+    common = dict(
+        max_heartbeat_throttle_interval=throttle,
+        default_heartbeat_throttle_interval=throttle,
+        interceptors=[ClassifyStoreErrors()],
+        graceful_shutdown_timeout=timedelta(seconds=settings.shutdown_grace_seconds),
+    )
     shared = Worker(
         client,
         task_queue=settings.task_queue,
         workflows=[ExportWorkflow, RecoveryWorkflow, SweeperWorkflow, PartnerSweepWorkflow],
         activities=activities.all() + recovery.all(),
-        max_heartbeat_throttle_interval=throttle,
-        default_heartbeat_throttle_interval=throttle,
-        interceptors=[ClassifyStoreErrors()],
+        **common,
     )
-    own = Worker(
-        client,
-        task_queue=own_queue,
-        activities=activities.all(),
-        max_heartbeat_throttle_interval=throttle,
-        default_heartbeat_throttle_interval=throttle,
-        interceptors=[ClassifyStoreErrors()],
-    )
+    own = Worker(client, task_queue=own_queue, activities=activities.all(), **common)
     try:
         await scavenge(store, Path(settings.work_dir))
     except Exception as exc:  # the database is away: the periodic pass tries again; never a reason not to start
@@ -103,6 +106,10 @@ async def running_worker(
             try:
                 yield activities
             finally:
+                log.info("worker %s stops taking tasks; running steps have %g s to end", worker_id,
+                         settings.shutdown_grace_seconds)
+                # Both at once: a queue still polled while the other shuts down would take back handed-back work.
+                await asyncio.gather(shared.shutdown(), own.shutdown())
                 scavenger.cancel()
                 await asyncio.gather(scavenger, return_exceptions=True)
                 stop.set()
@@ -144,9 +151,32 @@ async def main() -> None:
     if client is not None:
         async with running_worker(settings, client):
             await stopping.wait()
+            # An upload ignores its cancellation, so the SDK's shutdown could wait for it: bound the exit.
+            loop.call_later(settings.shutdown_grace_seconds + 5, _exit_past_the_bound)
     log.info("worker stopped")
+
+
+def _exit_past_the_bound() -> None:
+    log.warning("shutdown bound passed: exiting; an upload that has not ended is left to recovery")
+    logging.shutdown()
+    os._exit(0)
+
+
+class OneLineFailures(logging.Filter):
+    """The SDK logs each failed activity attempt with its traceback; a retried step would print one per retry.
+    Here each says its error in one line (the full error is in the workflow's history, in the Temporal UI)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None and record.name.startswith("temporalio"):
+            record.msg = f"{record.getMessage()}: {errors.describe(record.exc_info[1])}"
+            record.args = None
+            record.exc_info = None
+            record.exc_text = None
+        return True
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(OneLineFailures())
     asyncio.run(main())

@@ -127,8 +127,9 @@ class BuildOutput(BaseModel):
     file: BuiltFile | None = None
     # The worker that holds the file: cutoff 2 and the delivery run on its task queue.
     worker_task_queue: str | None = None
-    # Why there is no file, when there is none: Stopped, BuildFailed, LostOwnership, or StartedLate (a task
-    # Temporal had already timed out, which changed nothing).
+    # Why there is no file, when there is none: Stopped, BuildFailed, LostOwnership, HandedBack (a worker
+    # shutting down gave it back; the workflow resumes it elsewhere), or StartedLate (a task Temporal had already
+    # timed out, which changed nothing).
     ended: str | None = None
 
 

@@ -203,6 +203,8 @@ class ExportActivities:
         again here) after its worker went quiet: it first takes the attempt's build slot, which fences any earlier
         build of the attempt and fails once a takeover has committed."""
         job, attempt_id = request.job, request.attempt_id
+        if activity.is_worker_shutdown():
+            return BuildOutput(ended="HandedBack")  # taken as this worker began to shut down: touch nothing
         late = self._started_late()
         if late is not None:
             # A task handed to this worker while it was paused (a poll it had open): Temporal already timed it out
@@ -227,6 +229,13 @@ class ExportActivities:
             if build_task is not None:
                 build_task.cancel()
 
+        shutting_down = asyncio.Event()
+
+        async def hand_back_on_shutdown() -> None:
+            await activity.wait_for_worker_shutdown()
+            shutting_down.set()
+            on_stop()
+
         detail = ("first build" if request.resumption == 0
                   else f"resumed ({request.resumption}) after its build went quiet")
         # A build of this attempt that finished here but whose completion Temporal never heard of (it was away):
@@ -239,6 +248,7 @@ class ExportActivities:
             return BuildOutput(ended="LostOwnership")  # write nothing: another attempt owns the row now
         lease = self._keeper(job.id, attempt_id, holder, on_lost)
         handed_over = False
+        shutdown_watch = asyncio.create_task(hand_back_on_shutdown())
         try:
             async with self._heartbeating(lambda: dict(progress)):
                 refusal = await self._preflight(job)
@@ -260,7 +270,8 @@ class ExportActivities:
                 except asyncio.CancelledError:
                     # The stop watcher and the workflow's cancel of this activity may both fire: the second cancel
                     # must not cut off the stop's write halfway, so the write runs to its end.
-                    ended = await run_to_end(self._after_build_cancelled(lease, lost, job.id, attempt_id, holder))
+                    ended = await run_to_end(self._after_build_cancelled(lease, lost, job.id, attempt_id, holder,
+                                                                         shutting_down.is_set()))
                     if ended is None:
                         raise
                     return ended
@@ -277,7 +288,13 @@ class ExportActivities:
                                holder=holder),
                 worker_task_queue=self.worker_task_queue,
             )
+        except asyncio.CancelledError:
+            if not shutting_down.is_set():
+                raise
+            # The shutdown came before the build itself began (in the preparation): hand the attempt back too.
+            return await run_to_end(self._after_build_cancelled(lease, lost, job.id, attempt_id, holder, True))
         finally:
+            shutdown_watch.cancel()
             if not handed_over:
                 await lease.finish()
 
@@ -322,16 +339,28 @@ class ExportActivities:
         return False
 
     async def _after_build_cancelled(
-        self, lease: LeaseKeeper, lost: asyncio.Event, job_id: UUID, attempt_id: UUID, holder: str
+        self, lease: LeaseKeeper, lost: asyncio.Event, job_id: UUID, attempt_id: UUID, holder: str,
+        shutting_down: bool,
     ) -> BuildOutput | None:
         await self.checkpoints.reached(checkpoints.BUILD_CANCELLED, job_id)
         await lease.finish()
         if lost.is_set():
             return BuildOutput(ended="LostOwnership")
         # A stop request, a terminated workflow or a shutdown: only a recorded stop request is a Stop, and only
-        # this attempt's; anything else (None) leaves the row for recovery.
+        # this attempt's; anything else leaves the row for recovery, or, for a shutdown, for the workflow to
+        # resume the build elsewhere at once (HandedBack), its lease ended so that nothing waits it out.
         if await self.store.finish_stopped(job_id, attempt_id, "WhileBuilding", holder=holder):
             return BuildOutput(ended="Stopped")
+        if shutting_down:
+            try:
+                released = await self.store.release_lease(job_id, attempt_id, holder)
+            except Exception as exc:
+                released = False
+                log.warning("could not end the lease of %s attempt %s: %s", job_id, attempt_id,
+                            errors.describe(exc))
+            log.info("worker shutting down: build of %s attempt %s handed back%s", job_id, attempt_id,
+                     "" if released else " (its lease lapses by itself)")
+            return BuildOutput(ended="HandedBack")
         return None
 
     async def _preflight(self, job: JobRow) -> tuple[FailureCode, str] | None:

@@ -229,6 +229,9 @@ class JobStore:
             == 1
         )
 
+    async def release_lease(self, job_id: UUID, attempt_id: UUID, holder: str) -> bool:
+        return await self._write("release_lease", job_id=job_id, attempt_id=attempt_id, holder=holder) == 1
+
     async def authorize_delivery(self, job: JobRow, attempt_id: UUID, file: BuiltFile) -> AuthorizationResult:
         try:
             inserted = await self._write(

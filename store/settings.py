@@ -52,6 +52,10 @@ class Settings(BaseSettings):
     # How long a build that finds the local disk full keeps trying (space another build holds may be freed)
     # before the attempt ends BuildFailed.
     disk_full_patience_seconds: float = Field(600.0, ge=0)
+    # SIGTERM: builds are handed back at once; uploads in flight get this long to end (the SDK's graceful shutdown
+    # timeout), and the process exits at most `shutdown_grace_seconds + 5` after the signal, leaving an upload
+    # that has not ended to recovery, as after a crash. A pod's terminationGracePeriodSeconds must exceed both.
+    shutdown_grace_seconds: float = Field(25.0, ge=0)
 
     work_dir: Path = Path(".exports/work")
     # Fault injection only: checkpoints (activities/checkpoints.py) where a worker holds, for a test to kill it.

@@ -334,7 +334,14 @@ class ExportWorkflow:
                 summary="build contacts CSV" if resumption == 0 else f"build contacts CSV, resumed ({resumption})",
             )
             try:
-                return await self._build
+                built = await self._build
+                if built.ended != "HandedBack":
+                    return built
+                if self._stop_seen:
+                    return await self._stop_without_build(attempt)
+                workflow.logger.info("build of %s handed back by a worker shutting down; resuming elsewhere",
+                                     attempt.job.id)
+                queue = general
             except asyncio.CancelledError:
                 # Only this workflow cancels a build (Temporal's cancel of the run is shielded in `run`): a stop
                 # arrived before the build could start, so no activity will record it.
