@@ -56,8 +56,9 @@ async def eventually(
 
 
 def built_files(work_dir: object, job_id: uuid.UUID, attempt_id: uuid.UUID) -> list[Path]:
-    """The local files the builds of one attempt wrote (one per build: <job>-<attempt>-<build token>.csv)."""
-    return sorted(Path(str(work_dir)).glob(f"{job_id}-{attempt_id}-*.csv"))
+    """The local files the builds of one attempt wrote (one per build: <job>-<attempt>-<build token>.csv, and
+    .csv.partial while it is written)."""
+    return sorted(Path(str(work_dir)).glob(f"{job_id}-{attempt_id}-*.csv*"))
 
 
 async def delivery_evidence(admin: asyncpg.Connection, job_id: uuid.UUID) -> list[str]:

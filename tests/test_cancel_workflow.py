@@ -92,7 +92,7 @@ async def activity_names(h: Harness, job_id: uuid.UUID, run_id: str | None = Non
 def assert_stopped_clean(h: Harness, row) -> None:
     assert row.status is Status.STOPPED and row.delivery_authorized_at is None
     assert_nothing_at_partner(h)
-    assert not list(Path(h.settings.work_dir).glob("*.csv")), "the partial file was not removed"
+    assert not list(Path(h.settings.work_dir).glob("*.csv*")), "the partial file was not removed"
 
 
 @pytest.fixture
@@ -352,7 +352,7 @@ async def test_temporal_terminate__mid_build_is_a_crash_that_recovery_resolves(t
     assert events[-1] == "Finished"
     assert "Stopped" not in events
     assert (await handle.describe()).run_id != first_run
-    assert not list(Path(h.settings.work_dir).glob("*.csv"))
+    assert not list(Path(h.settings.work_dir).glob("*.csv*"))
 
 
 # --- CO1: a correction of the original before the replacement's cutoff 2 ---------------------------------------
@@ -388,7 +388,7 @@ async def assert_original_delivered(h: Harness, original: uuid.UUID, replacement
     assert (await h.store.read_job(original)).status is Status.COMPLETED
     assert "Corrected" in await kinds(h.db, original)
     assert_nothing_at_partner(h)
-    assert not list(Path(h.settings.work_dir).glob("*.csv")), "the unauthorized file was not removed"
+    assert not list(Path(h.settings.work_dir).glob("*.csv*")), "the unauthorized file was not removed"
 
 
 @pytest.mark.spec("CO1")

@@ -221,7 +221,7 @@ async def test_a_build_resumed_elsewhere_fences_the_paused_build_whose_stop_writ
         assert [e["kind"] for e in found] == ["Claimed", "BuildStarted", "BuildStarted", "Stopped"]
         assert found[-1]["worker_id"] == starts[1]["worker_id"]  # recorded by the build that held the attempt
         assert list((h.partner.root / "outbound").iterdir()) == []
-        await eventually(lambda: asyncio.sleep(0, list(Path(h.settings.work_dir).glob("*.csv"))), lambda f: not f,
+        await eventually(lambda: asyncio.sleep(0, list(Path(h.settings.work_dir).glob("*.csv*"))), lambda f: not f,
                          timeout=BOUND, what="every built file removed")
         assert b.process.returncode is None
 

@@ -68,9 +68,10 @@ async def test_creation__direct_insert_of_second_original_refused(db, store):
                            delivery_key="direct-key", created_by="tests")
     with pytest.raises(asyncpg.UniqueViolationError) as refused:
         await db.admin.execute(
-            """INSERT INTO export_jobs (id, tenant_id, status, version, destination_id, delivery_key, created_by,
-                                        woken_at)
-               VALUES ($1, $2, 'Queued', 1, $3, 'direct-key', 'intruder', clock_timestamp())""",
+            """INSERT INTO export_jobs (id, tenant_id, status, version, destination_id, delivery_key, final_name,
+                                        created_by, woken_at)
+               VALUES ($1, $2, 'Queued', 1, $3, 'direct-key', 'contacts-' || CAST($2 AS uuid) || '-direct-key.csv',
+                       'intruder', clock_timestamp())""",
             uuid.uuid4(), tenant_id, destination_id,
         )
     assert refused.value.constraint_name == "uq_export_jobs_original_key"

@@ -90,9 +90,11 @@ async def test_replacement__database_refuses_mismatched_key_tenant_or_a_replacem
     await drive(store, original, Status.OUTCOME_UNKNOWN)
     key = (await store.read_job(original)).delivery_key
     other_tenant, other_destination = await seed_tenant(db.admin)
-    insert = """INSERT INTO export_jobs (id, tenant_id, status, version, destination_id, delivery_key,
+    insert = """INSERT INTO export_jobs (id, tenant_id, status, version, destination_id, delivery_key, final_name,
                     replaces_job_id, created_by, replacement_reason, woken_at)
-                VALUES (gen_random_uuid(), $1, 'Queued', 1, $2, $3, $4, 'intruder', 'direct', clock_timestamp())"""
+                VALUES (gen_random_uuid(), $1, 'Queued', 1, $2, $3,
+                        'contacts-' || CAST($1 AS uuid) || '-' || CAST($3 AS text) || '.csv', $4, 'intruder', 'direct',
+                        clock_timestamp())"""
 
     async def refused(*args) -> None:
         with pytest.raises(asyncpg.ForeignKeyViolationError) as error:
