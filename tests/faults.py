@@ -114,6 +114,10 @@ class PgFaultProxy:
         self._mode = "open"
         self._released.set()
 
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns)
+
     def cut_all(self) -> None:
         for conn in list(self._conns):
             conn.close()

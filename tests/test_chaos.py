@@ -1,6 +1,11 @@
-"""Chaos: real worker processes killed at random while exports run, are canceled (some twice with one request ID,
-some through Temporal's own cancel) and recovery runs every second; then the invariants, read from PostgreSQL and
-the partner's folders.
+"""Chaos: real worker processes killed (SIGKILL) and paused past their lease (SIGSTOP, then SIGCONT) at random
+while exports run; their PostgreSQL connections cut through a real TCP proxy; the partner's SFTP connections
+closed mid-transfer; exports canceled (some twice with one request ID, some concurrently, some through Temporal's
+own cancel) and sent hostile `cancel` signals; recovery runs every second. Then the invariants, read from
+PostgreSQL, the partner's folders and Temporal.
+
+Each fault class is counted, and a run that injected fewer than its profile's minimum fails: a quiet run proves
+nothing. Profiles (EXPORTS_CHAOS_PROFILE): `ci` (the default; about a minute) and `full`.
 
 Runs only with EXPORTS_CHAOS=1. Seeded: the seed is printed, and EXPORTS_CHAOS_SEED=<seed> replays the same
 sequence of actions (their timing against the workers is, of course, not replayed exactly).
@@ -15,6 +20,7 @@ import hashlib
 import json
 import os
 import random
+import signal
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -30,14 +36,36 @@ from temporalio.service import RPCError
 
 from activities.contracts import TEMPORAL_CANCEL_OPERATOR, ExportResult
 from store.models import CancellationOutcome, CancellationResult, FailureCode, Status
+from tests.faults import PgFaultProxy, fault_proxy
 from tests.workflow_support import Harness, WorkerProcess, open_harness, run_recovery
 from worker import running_worker
 
 LEASE = 2.0
 WORKERS = 3
-EXPORTS = 30
-CHAOS_SECONDS = 30.0        # creations, cancels, kills and Temporal cancels happen in this window
-CREATE_WITHIN = 16.0        # all exports are created within the first seconds of the window
+
+
+@dataclass(frozen=True)
+class Profile:
+    exports: int
+    chaos_seconds: float    # creations and every fault happen in this window
+    create_within: float    # all exports are created within the first seconds of the window
+    minimum: dict[str, int]  # per fault class: fewer injected, and the run fails
+
+
+PROFILES = {
+    "ci": Profile(exports=60, chaos_seconds=40.0, create_within=30.0, minimum={
+        "worker crash": 8, "worker pause": 8, "database cut": 10, "partner cut": 10, "cancel": 30,
+        "hostile signal": 5}),
+    "full": Profile(exports=1000, chaos_seconds=900.0, create_within=700.0, minimum={
+        "worker crash": 100, "worker pause": 100, "database cut": 100, "partner cut": 100, "cancel": 300,
+        "hostile signal": 50}),
+}
+# Issue 10's classes that this run does not inject yet: reported, not yet required.
+NOT_YET_INJECTED = ("Temporal restart", "operator work")
+PROFILE = PROFILES[os.environ.get("EXPORTS_CHAOS_PROFILE") or "ci"]
+EXPORTS = PROFILE.exports
+CHAOS_SECONDS = PROFILE.chaos_seconds
+CREATE_WITHIN = PROFILE.create_within
 SETTLE_SECONDS = 100.0      # afterwards: one healthy worker and recovery until every row is settled
 RESULT_SECONDS = 40.0       # then every workflow must have returned
 RECOVERY_EVERY = 1.0
@@ -66,8 +94,12 @@ class Chaos:
     workers: list[WorkerProcess] = field(default_factory=list)  # every process started, dead or alive
     cancels: list[CancelCall] = field(default_factory=list)
     temporal_cancels: list[tuple[uuid.UUID, Status | None]] = field(default_factory=list)  # (job, row status before)
+    proxy: PgFaultProxy | None = None
     kills: int = 0
     final_kills: int = 0
+    injected: Counter = field(default_factory=Counter)  # fault class -> times it really happened
+    paused: set[int] = field(default_factory=set)  # pids stopped right now
+    hostile_ids: list[uuid.UUID] = field(default_factory=list)
     recoveries: int = 0
     recovery_errors: list[str] = field(default_factory=list)
     recorded: Counter = field(default_factory=Counter)
@@ -82,9 +114,15 @@ class Chaos:
     def alive(self) -> list[WorkerProcess]:
         return [w for w in self.workers if w.process is not None and w.process.returncode is None]
 
+    def running(self) -> list[WorkerProcess]:
+        return [w for w in self.alive() if w.process.pid not in self.paused]
+
     async def start_worker(self) -> WorkerProcess:
         n = len(self.workers)
-        process = WorkerProcess(self.h.settings, work_dir=self.work_root / f"w{n}")
+        overrides: dict[str, object] = {"work_dir": self.work_root / f"w{n}"}
+        if self.proxy is not None:  # the workers' PostgreSQL connections run through the fault proxy
+            overrides["database_url"] = self.proxy.url("exports_app", self.h.db.name)
+        process = WorkerProcess(self.h.settings, **overrides)
         self.workers.append(process)  # before start: a half-started process is still killed in finally
         await process.start()
         self.note(f"worker w{n} started (pid {process.process.pid})")
@@ -146,12 +184,123 @@ async def kill_one(c: Chaos, *, replace: bool = True) -> None:
     victim = c.rng.choice(alive)
     victim.kill()
     await victim.process.wait()
+    c.paused.discard(victim.process.pid)
     c.kills += 1
+    c.injected["worker crash"] += 1
     c.note(f"SIGKILL worker pid {victim.process.pid}")
     if replace:
         await asyncio.sleep(c.rng.uniform(0.0, 1.5))
         await c.start_worker()
     await forget_sticky(c)
+
+
+async def pause_one(c: Chaos) -> bool:
+    """SIGSTOP a worker for longer than the lease, then SIGCONT: the design's paused worker. Never the last one
+    running."""
+    running = c.running()
+    if len(running) < 2:
+        return False
+    victim = c.rng.choice(running)
+    pid = victim.process.pid
+    seconds = c.rng.uniform(1.5, 2.5) * LEASE
+    victim.process.send_signal(signal.SIGSTOP)
+    c.paused.add(pid)
+    c.injected["worker pause"] += 1
+    c.note(f"SIGSTOP worker pid {pid} for {seconds:.1f} s")
+
+    async def wake() -> None:
+        await asyncio.sleep(seconds)
+        if victim.process.returncode is None:
+            victim.process.send_signal(signal.SIGCONT)
+            c.note(f"SIGCONT worker pid {pid}")
+        c.paused.discard(pid)
+
+    c.tasks.append(asyncio.create_task(wake()))
+    return True
+
+
+def cut_database(c: Chaos) -> bool:
+    """The workers' PostgreSQL connections cut: all at once, or the next statement on the jobs table dropped before
+    the server sees it, or let through with its COMMIT and the reply dropped."""
+    assert c.proxy is not None
+    kind = c.rng.choice(["all", "before", "after commit"])
+    if kind == "all":
+        if not c.proxy.open_connections:
+            return False
+        c.proxy.cut_all()
+        c.injected["database cut"] += 1
+        c.note("database: every worker connection cut")
+        return True
+    fired = c.proxy.cut_before("export_jobs") if kind == "before" else c.proxy.cut_after_commit("export_jobs")
+
+    async def count() -> None:
+        try:
+            await asyncio.wait_for(fired.wait(), timeout=5)
+        except TimeoutError:
+            return
+        c.injected["database cut"] += 1
+        c.note(f"database: a statement cut {kind}")
+
+    c.tasks.append(asyncio.create_task(count()))
+    return True
+
+
+def cut_partner(c: Chaos) -> bool:
+    """The partner's SFTP connections closed at the next write (mid-upload) or around the next rename (before it,
+    or after it is done but not answered): armed now, counted when it fires."""
+    hooks = c.h.partner.hooks
+    if hooks.on_write or hooks.before_rename or hooks.after_rename:
+        return False  # one armed at a time
+
+    def disarm() -> None:
+        hooks.on_write = hooks.before_rename = hooks.after_rename = None
+
+    async def on_write(path: str, offset: int) -> None:
+        fire("mid-upload")  # the temporary file is open and its bytes are on their way
+
+    async def around_rename(old: str, new: str) -> None:
+        fire(point)
+
+    def fire(where: str) -> None:
+        disarm()
+        c.h.partner.close_connections()
+        c.injected["partner cut"] += 1
+        c.note(f"partner: SFTP connections closed {where}")
+
+    point = c.rng.choice(["mid-upload", "mid-upload", "before the rename", "after the rename"])
+    if point == "mid-upload":
+        hooks.on_write = on_write
+    elif point == "before the rename":
+        hooks.before_rename = around_rename
+    else:
+        hooks.after_rename = around_rename
+    return True
+
+
+def hostile_payload(c: Chaos) -> tuple[object, uuid.UUID]:
+    request_id = uuid.uuid4()
+    tenant = str(c.h.tenant_id)
+    payloads: list[object] = [
+        {"request_id": "not-a-uuid", "tenant": tenant, "operator": "mallory"},
+        {"request_id": str(request_id), "tenant": tenant, "operator": "mal\x00lory"},
+        {"request_id": str(request_id), "tenant": tenant, "operator": "mallory", "reason": "x" * 100_000},
+        {"request_id": str(request_id), "tenant": str(uuid.uuid4()), "operator": "mallory"},  # another tenant
+        {"request_id": str(request_id), "tenant": tenant, "operator": 42},
+        ["not", "an", "object"],
+    ]
+    return c.rng.choice(payloads), request_id
+
+
+async def send_hostile(c: Chaos, job_id: uuid.UUID) -> None:
+    payload, request_id = hostile_payload(c)
+    try:
+        await c.h.client.get_workflow_handle(f"export-{job_id}").signal("cancel", payload)
+    except RPCError as exc:  # the workflow closed: not delivered, not counted
+        c.note(f"hostile signal to export-{job_id} refused: {exc.status.name}")
+        return
+    c.hostile_ids.append(request_id)
+    c.injected["hostile signal"] += 1
+    c.note(f"hostile cancel signal to export-{job_id}: {str(payload)[:80]}")
 
 
 async def recovery_loop(c: Chaos, settings, stop: asyncio.Event) -> None:
@@ -184,18 +333,34 @@ async def chaos_window(c: Chaos) -> None:
             next_create = now + rng.uniform(0.3, 1.7) * create_gap
         if c.jobs:
             roll = rng.random()
-            if roll < 0.14:
+            # Each class is owed its minimum over the window: the further behind its share, the likelier it goes.
+            owed = {k: PROFILE.minimum[k] * 1.2 * min(1.0, now / (CHAOS_SECONDS * 0.6)) - c.injected[k]
+                    for k in PROFILE.minimum}
+            behind = [k for k, v in owed.items() if v > 0]
+            kind = rng.choice(behind) if behind and rng.random() < 0.8 else rng.choice(
+                list(PROFILE.minimum) + ["temporal cancel"])
+            if kind == "cancel":
                 call = CancelCall(job_id=rng.choice(c.jobs), request_id=uuid.uuid4(), twice=rng.random() < 0.4,
                                   concurrent=rng.random() < 0.5)
                 c.cancels.append(call)
+                c.injected["cancel"] += 1
                 c.note(f"cancel {call.job_id} request {call.request_id} twice={call.twice} "
                        f"concurrent={call.concurrent}")
                 c.tasks.append(asyncio.create_task(do_cancel(c, call)))
-            elif roll < 0.20:
+            elif kind == "temporal cancel":
                 c.tasks.append(asyncio.create_task(do_temporal_cancel(c, rng.choice(c.jobs))))
-            elif roll < 0.30:
+            elif kind == "worker crash":
                 c.tasks.append(asyncio.create_task(kill_one(c)))
-        await asyncio.sleep(rng.uniform(0.2, 0.8))
+            elif kind == "worker pause":
+                await pause_one(c)
+            elif kind == "database cut":
+                cut_database(c)
+            elif kind == "partner cut":
+                cut_partner(c)
+            elif kind == "hostile signal":
+                # To a recent export, whose workflow is likely still open to take a signal.
+                c.tasks.append(asyncio.create_task(send_hostile(c, rng.choice(c.jobs[-8:]))))
+        await asyncio.sleep(rng.uniform(0.15, 0.45))
 
 
 # --- reading the outcome ---------------------------------------------------------------------------------------------
@@ -383,6 +548,20 @@ async def check_invariants(c: Chaos) -> tuple[list[str], list[str], dict[str, An
         if not interrupted:
             ev(job_id, f"temporary file {name} left by an attempt whose delivery was not interrupted")
 
+    # Hostile signals changed nothing: none of their request IDs was recorded.
+    recorded_ids = {r["id"] for r in requests}
+    for request_id in c.hostile_ids:
+        if request_id in recorded_ids:
+            violations.append(f"hostile cancel signal {request_id} was recorded")
+    # The attempt cap is never exceeded.
+    for job_id, row in rows.items():
+        if row["attempt_count"] > c.h.settings.max_attempts:
+            ev(job_id, f"{row['attempt_count']} attempts, above the cap of {c.h.settings.max_attempts}")
+    # Each fault class reached its minimum: a quiet run proves nothing.
+    for kind, minimum in PROFILE.minimum.items():
+        if c.injected[kind] < minimum:
+            violations.append(f"fault class {kind!r}: {c.injected[kind]} injected, the profile needs {minimum}")
+
     # Every workflow closed, with the row's status as its result.
     async def result_of(job_id):
         handle = c.h.client.get_workflow_handle(f"export-{job_id}", result_type=ExportResult)
@@ -440,6 +619,11 @@ def summary(c: Chaos, rows: dict[uuid.UUID, dict[str, Any]], requests: list[dict
               f"  recovery run errors              {len(c.recovery_errors):>4}"]
     lines += [f"  recovery recorded {kind:<15}{n:>4}" for kind, n in sorted(c.recorded.items())]
     lines += [f"  cancel records {o:<18}{n:>4}" for o, n in sorted(outcomes.items())]
+    lines += ["-" * 60, f"  fault class (profile minimum)    injected"]
+    lines += [f"  {kind + f' ({minimum})':<32} {c.injected[kind]:>4}" + ("" if c.injected[kind] >= minimum
+                                                                        else "  BELOW MINIMUM")
+              for kind, minimum in PROFILE.minimum.items()]
+    lines += [f"  {kind:<32}  not injected yet" for kind in NOT_YET_INJECTED]
     lines += ["-" * 60,
               (f"  chaos window {durations['chaos']:.1f} s, settling {durations['settle']:.1f} s, "
                f"checks {durations['check']:.1f} s, total {durations['total']:.1f} s"),
@@ -448,18 +632,19 @@ def summary(c: Chaos, rows: dict[uuid.UUID, dict[str, Any]], requests: list[dict
 
 
 @pytest.mark.chaos
-@pytest.mark.timeout(240)  # bounded to about 3 minutes, plus the fixtures' own start-up
+@pytest.mark.timeout(300 if PROFILE is PROFILES["ci"] else 3600)
 async def test_chaos__kills_cancels_and_recovery_keep_every_invariant(db, store, client, tmp_path):
     seed = int(os.environ.get("EXPORTS_CHAOS_SEED") or random.SystemRandom().randrange(1, 10**6))
     print(f"\nchaos seed {seed} (replay with EXPORTS_CHAOS_SEED={seed})")
     t0 = time.monotonic()
     async with AsyncExitStack() as stack:
-        # About 90 kB per export, built and uploaded at 40 kB/s each: about 2 s of building and 2 s of uploading,
+        # About 36 kB per export, built and uploaded at 40 kB/s each: about 1 s of building and 1 s of uploading,
         # so builds, deliveries, kills and cancels overlap. Lease 2 s, renewed every 0.5 s.
-        h = await open_harness(stack, db, store, client, tmp_path, in_process_worker=False, contacts=1000,
+        h = await open_harness(stack, db, store, client, tmp_path, in_process_worker=False, contacts=400,
                                lease_seconds=LEASE, renew_every_seconds=0.5,
                                build_throttle_bytes_per_second=40_000, upload_throttle_bytes_per_second=40_000)
-        c = Chaos(rng=random.Random(seed), h=h, work_root=tmp_path / "work")
+        c = Chaos(rng=random.Random(seed), h=h, work_root=tmp_path / "work",
+                  proxy=await stack.enter_async_context(fault_proxy(db.server.socket_dir)))
         # Recovery runs on a worker of its own, in this process (no dispatcher, never killed), so that a killed
         # export worker cannot hold a recovery run's activity until its timeout.
         recovery_settings = h.settings.model_copy(update={"task_queue": f"{h.settings.task_queue}-recovery",
@@ -488,6 +673,15 @@ async def test_chaos__kills_cancels_and_recovery_keep_every_invariant(db, store,
             print(f"  Temporal-cancel records: {Counter(r['outcome'] for r in temporal_records)}")
             for line in notes:
                 print(f"  note: {line}")
+            # Every outbox row is published (the dispatcher may still be on its last poll).
+            backlog = await db.admin.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            for _ in range(40):
+                if not backlog:
+                    break
+                await asyncio.sleep(0.25)
+                backlog = await db.admin.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            if backlog:
+                violations.append(f"{backlog} outbox rows never published")
             for line in c.recovery_errors[:5]:
                 print(f"  recovery error: {line}")
             print("\n".join(c.log))
@@ -505,7 +699,7 @@ async def test_chaos__kills_cancels_and_recovery_keep_every_invariant(db, store,
                 if not t.done():
                     t.cancel()
             for w in c.workers:
-                w.kill()
+                w.kill()  # SIGKILL ends a stopped process too
             for w in c.workers:
                 if w.process is not None:
                     await asyncio.wait_for(w.process.wait(), timeout=15)

@@ -228,6 +228,10 @@ class LocalPartner:
             await self._server.wait_closed()
             self._server = None
 
+    @property
+    def open_connections(self) -> int:
+        return len(self._connections)
+
     def close_connections(self) -> None:
         """Abort every open client connection now, without a goodbye: a dropped network, to the client."""
         for conn in list(self._connections):
