@@ -581,7 +581,30 @@ async def check_invariants(c: Chaos) -> tuple[list[str], list[str], dict[str, An
                 row["status"], FailureCode(row["failure_reason"]) if row["failure_reason"] else None):
             ev(job_id, f"workflow returned {result.status}/{result.failure_reason}, row {row['status']}/"
                        f"{row['failure_reason']}")
+    # What the Temporal UI filters on says what the row says (visibility lags a moment: asked again briefly).
+    for _ in range(20):
+        found = await export_statuses(c)
+        mismatched = {j: s for j, s in found.items() if j in rows and s != rows[j]["status"]}
+        missing = [j for j in rows if j not in found]
+        if not mismatched and not missing:
+            break
+        await asyncio.sleep(0.5)
+    for job_id, status in mismatched.items():
+        ev(job_id, f"search attribute ExportStatus = {status!r}, the row says {rows[job_id]['status']!r}")
+    for job_id in missing:
+        ev(job_id, "no workflow with ExportStatus found for it")
     return violations, notes, rows
+
+
+async def export_statuses(c: Chaos) -> dict[uuid.UUID, str]:
+    from workflows.export import EXPORT_STATUS
+
+    found = {}
+    async for wf in c.h.client.list_workflows(f"ExportTenant = '{c.h.tenant_id}'"):
+        status = wf.typed_search_attributes.get(EXPORT_STATUS)
+        if status is not None:
+            found[uuid.UUID(wf.id.removeprefix("export-"))] = status
+    return found
 
 
 async def history_tail(c: Chaos, job_id: uuid.UUID, n: int = 14) -> list[str]:
