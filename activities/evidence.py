@@ -37,10 +37,6 @@ class EvidenceLog:
         self._attempt = attempt
         self._kept: list[dict[str, Any]] = []
 
-    @property
-    def kept(self) -> int:
-        return len(self._kept)
-
     async def record(self, detail: dict[str, Any]) -> None:
         """Append now if the database answers; otherwise keep it, in order, for the next append or `flush`."""
         self._kept.append(detail)

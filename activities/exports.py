@@ -64,6 +64,24 @@ async def run_to_end(work: Coroutine[Any, Any, T], on_cancel: Callable[[], None]
             on_cancel()
 
 
+async def retry_patiently(step: Callable[[], Coroutine[Any, Any, T]], *, retryable: Callable[[Exception], bool],
+                          patience: float, first_delay: float, max_delay: float, what: str) -> T:
+    """`step` again while its error is `retryable`, one log line a try, backing off from `first_delay` to
+    `max_delay`, for at most `patience` seconds; then its last error."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + patience
+    delay = first_delay
+    while True:
+        try:
+            return await step()
+        except Exception as exc:
+            if not retryable(exc) or loop.time() + delay > deadline:
+                raise
+            log.warning("%s: %s; trying again in %.1f s", what, errors.describe(exc), delay)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, max_delay)
+
+
 class ExportActivities:
     def __init__(self, store: JobStore, settings: Settings, *, worker_id: str, worker_task_queue: str) -> None:
         self.store = store
@@ -300,26 +318,21 @@ class ExportActivities:
 
     async def _build_with_room(self, job: JobRow, attempt_id: UUID, path: Path,
                                progress: dict[str, int]) -> tuple[int, str]:
-        """The build, tried again while the disk is full (one log line a try, backing off to 30 s) for at most
+        """The build, tried again while the disk is full (backing off to 30 s) for at most
         `disk_full_patience_seconds`; any other failure at once."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.disk_full_patience_seconds
-        delay = 1.0
-        while True:
-            try:
-                return await build_contacts_csv(
-                    asyncpg_dsn(self.settings.database_url), job.tenant_id, path,
-                    on_progress=lambda size: progress.update(bytes=size),
-                    throttle_bytes_per_second=self.settings.build_throttle_bytes_per_second,
-                )
-            except BuildError as exc:
-                if not exc.disk_full or loop.time() + delay > deadline:
-                    raise
-                log.warning("build of %s attempt %s: %s in %s; trying again in %.0f s", job.id, attempt_id, exc,
-                            path.parent, delay)
+
+        async def build() -> tuple[int, str]:
             progress.update(bytes=0)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 30.0)
+            return await build_contacts_csv(
+                asyncpg_dsn(self.settings.database_url), job.tenant_id, path,
+                on_progress=lambda size: progress.update(bytes=size),
+                throttle_bytes_per_second=self.settings.build_throttle_bytes_per_second,
+            )
+
+        return await retry_patiently(
+            build, retryable=lambda exc: isinstance(exc, BuildError) and exc.disk_full,
+            patience=self.settings.disk_full_patience_seconds, first_delay=1.0, max_delay=30.0,
+            what=f"build of {job.id} attempt {attempt_id} in {path.parent}")
 
     def _started_late(self) -> float | None:
         """Seconds since the task was scheduled, if past its schedule-to-start bound (one lease) and a margin."""
@@ -423,23 +436,6 @@ class ExportActivities:
             if result is not AuthorizationResult.AUTHORIZED:
                 await lease.finish()
 
-    async def _through_outage(self, what: str, step: Callable[[], Coroutine[Any, Any, T]]) -> T:
-        """`step` again while PostgreSQL is away (a transient error), one log line a try, backing off to 5 s, for
-        at most `store_outage_patience_seconds`; then its last error."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.store_outage_patience_seconds
-        delay = 0.5
-        while True:
-            try:
-                return await step()
-            except Exception as exc:
-                if not errors.is_transient(exc) or loop.time() + delay > deadline:
-                    raise
-                log.warning("%s waits for the database (%s); trying again in %.1f s", what, errors.describe(exc),
-                            delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
-
     async def _replacement(self, job: JobRow) -> partner.Replacement | None:
         """For a replacement, what identifies its original's file, and whether an overwrite was agreed."""
         if job.replaces_job_id is None:
@@ -510,8 +506,10 @@ class ExportActivities:
                 # Only this attempt knows what happened at the partner: wait out an outage rather than leave
                 # recovery to judge without the receipt. The keeper keeps renewing meanwhile.
                 async with lease.terminal_write():
-                    written = await self._through_outage(f"the outcome of {job.id} attempt {attempt_id}",
-                                                         evidence_then_outcome)
+                    written = await retry_patiently(
+                        evidence_then_outcome, retryable=errors.is_transient,
+                        patience=self.settings.store_outage_patience_seconds, first_delay=0.5, max_delay=5.0,
+                        what=f"the outcome of {job.id} attempt {attempt_id} waits for the database")
         finally:
             remove_local_file(file.path)
             await lease.finish()

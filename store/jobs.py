@@ -101,15 +101,16 @@ class JobStore:
 
     async def attempt_delivering(self, attempt_id: UUID) -> bool:
         """Whether this attempt still holds a row in Delivering: its upload may still run."""
-        query = select(export_jobs.c.id).where(export_jobs.c.attempt_id == attempt_id,
-                                               export_jobs.c.status == Status.DELIVERING.value)
-        async with self.engine.connect() as conn:
-            return (await conn.execute(query)).first() is not None
+        return await self._exists(export_jobs.c.attempt_id == attempt_id,
+                                  export_jobs.c.status == Status.DELIVERING.value)
 
     async def final_name_in_use(self, destination_id: UUID, final_name: str) -> bool:
         """Whether an export to this destination has this final name (names carry the tenant: migration 0007)."""
-        query = select(export_jobs.c.id).where(export_jobs.c.destination_id == destination_id,
-                                               export_jobs.c.final_name == final_name).limit(1)
+        return await self._exists(export_jobs.c.destination_id == destination_id,
+                                  export_jobs.c.final_name == final_name)
+
+    async def _exists(self, *conditions: Any) -> bool:
+        query = select(export_jobs.c.id).where(*conditions).limit(1)
         async with self.engine.connect() as conn:
             return (await conn.execute(query)).first() is not None
 

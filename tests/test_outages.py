@@ -7,26 +7,29 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
+import signal
+import subprocess
+import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import pytest
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
 
+from starter.dispatcher import OutboxDispatcher
+from starter.localstack.ports import free_port
+from starter.localstack.temporal import LocalTemporal
+from store.db import asyncpg_dsn, make_engine
 from store.models import Status
 from tests.faults import fault_proxy
-from tests.support import eventually
-from tests.test_crash_workflow import LEASE, crash_world, processes
-from tests.workflow_support import WorkerProcess
+from tests.support import create_job, eventually, seed_tenant
+from tests.test_crash_workflow import LEASE, crash_world, events, processes, start
+from tests.workflow_support import WorkerProcess, held_at, open_harness
 
 BOUND = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.asynccontextmanager
@@ -160,12 +163,6 @@ async def silent_temporal() -> AsyncIterator[tuple[str, list[int]]]:
 
 @pytest.mark.spec("OU4")
 async def test_the_dispatcher_holds_no_row_lock_while_temporal_does_not_answer(db, store):
-    from temporalio.client import Client
-
-    from starter.dispatcher import OutboxDispatcher
-    from store.db import asyncpg_dsn, make_engine
-    from tests.support import create_job, seed_tenant
-
     tenant_id, destination_id = await seed_tenant(db.admin)
     for _ in range(5):
         await create_job(store, tenant_id, destination_id)
@@ -196,13 +193,6 @@ async def test_a_build_that_finished_while_temporal_was_down_is_not_built_again(
     """The Temporal server stops as a build runs and starts again (on its database file) three leases after the
     build finished: the completion was never reported, the build's heartbeat times out, and the resumption on the
     same worker delivers the file that build finished rather than reading the contacts again."""
-    from temporalio.client import Client
-    from temporalio.contrib.pydantic import pydantic_data_converter
-
-    from starter.localstack.temporal import LocalTemporal
-    from tests.test_crash_workflow import events, start
-    from tests.workflow_support import held_at
-
     temporal = LocalTemporal(tmp_path / "temporal", ui_port=free_port())
     await temporal.start()
     try:
@@ -232,8 +222,6 @@ async def test_a_build_that_finished_while_temporal_was_down_is_not_built_again(
 @pytest.fixture
 def tiny_work_dir(tmp_path: Path):
     """The worker's work directory on a real 64 KiB file system (tmpfs), so that a build meets a full disk."""
-    import subprocess
-
     work = tmp_path / "work"
     work.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(work)], capture_output=True)
@@ -248,10 +236,6 @@ def tiny_work_dir(tmp_path: Path):
 @pytest.mark.spec("OU5")
 async def test_a_build_that_finds_the_disk_full_is_retried_and_says_why(db, store, client, tmp_path, tiny_work_dir,
                                                                        caplog):
-    from contextlib import AsyncExitStack
-
-    from tests.workflow_support import open_harness
-
     filler = tiny_work_dir / "another-build-holds-this-space"
     filler.write_bytes(b"x" * 56 * 1024)  # what is left cannot hold 200 contacts (about 18 KB)
     async with AsyncExitStack() as stack:
@@ -270,12 +254,6 @@ async def test_a_build_that_finds_the_disk_full_is_retried_and_says_why(db, stor
 @pytest.mark.spec("OU6")
 async def test_sigterm_hands_back_a_build_which_resumes_elsewhere_without_waiting_out_the_lease(
         db, store, client, tmp_path):
-    import signal
-    import time
-
-    from tests.test_crash_workflow import events, start
-    from tests.workflow_support import held_at
-
     lease = 30.0  # long, so that waiting it out would show
     async with crash_world(db, store, client, tmp_path, lease_seconds=lease, renew_every_seconds=1.0) as h, \
             processes(h) as started:
@@ -328,9 +306,6 @@ async def test_a_step_retried_through_a_postgresql_outage_logs_one_line_a_try_no
 
 @pytest.mark.spec("OU6")
 async def test_sigterm_during_an_upload_lets_it_end_and_then_exits(db, store, client, tmp_path):
-    import signal
-    import time
-
     async with crash_world(db, store, client, tmp_path, upload_throttle_bytes_per_second=8000,
                            shutdown_grace_seconds=10.0) as h, processes(h) as started:
         worker = await WorkerProcess(h.settings).start()
