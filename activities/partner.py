@@ -316,6 +316,30 @@ def _pinned_host_key(line: str) -> asyncssh.SSHKey:
         raise ValueError("destination host_key is not a valid OpenSSH public key line") from exc
 
 
+def _no_key_of_pinned_type(dest: DestinationConfig, pinned: asyncssh.SSHKey) -> HostKeyMismatch:
+    return HostKeyMismatch(f"{dest.host}:{dest.port} has no host key of the pinned type ({pinned.get_algorithm()})")
+
+
+async def _lacks_pinned_key_type(dest: DestinationConfig, pinned: asyncssh.SSHKey, timeout: float) -> bool:
+    """Whether the server cuts a handshake that allows only the pinned key's type while it completes one that
+    allows any type with a key of another type. Nothing is trusted or authenticated: only the key is read."""
+    async def offered(algorithms: list[str] | str) -> asyncssh.SSHKey | None:
+        try:
+            return await asyncio.wait_for(asyncssh.get_server_host_key(
+                dest.host, dest.port, server_host_key_algs=algorithms, config=[]), timeout)
+        except asyncssh.KeyExchangeFailed as exc:
+            return None if "host key" in str(exc).lower() else pinned  # only a refusal of the type counts
+        except (asyncssh.ConnectionLost, ConnectionResetError):
+            return None
+        except (asyncssh.Error, OSError):
+            return pinned  # the server could not be asked: the first failure stands
+
+    if await offered([alg.decode() for alg in pinned.sig_algorithms]) is not None:
+        return False
+    other = await offered("default")
+    return other is not None and other is not pinned and other.get_algorithm() != pinned.get_algorithm()
+
+
 @asynccontextmanager
 async def connect(
     dest: DestinationConfig, *, connect_timeout: float = 10.0
@@ -355,9 +379,13 @@ async def connect(
         # exchange instead ("Unable to find compatible server host key"): it cannot present the pinned key
         # either.
         if "host key" in str(exc).lower():
-            raise HostKeyMismatch(
-                f"{dest.host}:{dest.port} has no host key of the pinned type ({pinned.get_algorithm()})"
-            ) from exc
+            raise _no_key_of_pinned_type(dest, pinned) from exc
+        raise
+    except (asyncssh.ConnectionLost, ConnectionResetError) as exc:
+        # OpenSSH refuses such a handshake by cutting the connection without a reason, and asyncssh's server may
+        # close before its reason is read; only asking again tells that apart from a connection that failed.
+        if await _lacks_pinned_key_type(dest, pinned, connect_timeout):
+            raise _no_key_of_pinned_type(dest, pinned) from exc
         raise
     try:
         async with asyncio.timeout(connect_timeout):

@@ -111,3 +111,15 @@ async def test_openssh__pinned_host_key_mismatch_refuses_to_connect(openssh: Ope
     with pytest.raises(partner.HostKeyMismatch):
         async with partner.connect(dest):
             pass
+
+
+async def test_openssh__a_pinned_key_of_a_type_the_server_lacks_is_a_host_key_mismatch(openssh: OpenSshPartner):
+    """sshd ends a handshake that allows no host key type it holds by cutting the connection (a reset, sometimes a
+    plain close), never with a reason. That is still a host key mismatch, not a connection failure to retry."""
+    for algorithm in ("ecdsa-sha2-nistp256", "ssh-rsa"):
+        wrong = asyncssh.generate_private_key(algorithm).export_public_key().decode().strip()
+        dest = openssh.destination().model_copy(update={"host_key": wrong})
+        for _ in range(5):
+            with pytest.raises(partner.HostKeyMismatch, match="has no host key of the pinned type"):
+                async with partner.connect(dest, connect_timeout=10):
+                    pass
