@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: run test clean
+.PHONY: run test bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,9 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(VENV)/bin/python -m bench.run $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .exports

@@ -155,6 +155,15 @@ def client(temporal_env: WorkflowEnvironment) -> Client:
     return temporal_env.client
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    from tests.support import CHAOS_REPORT
+
+    report = config.stash.get(CHAOS_REPORT, None)
+    if report:
+        terminalreporter.write_sep("=", "chaos report")
+        terminalreporter.write_line(report)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.environ.get("EXPORTS_CHAOS") == "1":
         return

@@ -10,9 +10,13 @@ from pathlib import Path
 from typing import TypeVar
 
 import asyncpg
+import pytest
 
 from starter.localstack.seed import seed_contacts, seed_destination
 from store.jobs import JobStore
+
+# The chaos run's report, which conftest prints at the end of the session whether the run passed or failed.
+CHAOS_REPORT = pytest.StashKey[str]()
 
 T = TypeVar("T")
 

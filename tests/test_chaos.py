@@ -1,11 +1,12 @@
-"""Chaos: real worker processes killed (SIGKILL) and paused past their lease (SIGSTOP, then SIGCONT) at random
-while exports run; their PostgreSQL connections cut through a real TCP proxy; the partner's SFTP connections
-closed mid-transfer; the Temporal server restarted on its database file; exports canceled (some twice with one
-request ID, some concurrently, some through Temporal's own cancel) and sent hostile `cancel` signals; recovery
-runs every second. Then the invariants, read from PostgreSQL, the partner's folders and Temporal.
+"""Chaos (case CH1): real worker processes killed (SIGKILL) and paused past their lease (SIGSTOP, then SIGCONT) at
+random while exports run; their PostgreSQL connections cut through a real TCP proxy; the partner's SFTP connections
+closed mid-transfer and around the rename; the Temporal server restarted on its database file; exports canceled
+(some twice with one request ID, some concurrently, some through Temporal's own cancel) and sent hostile `cancel`
+signals; an operator editing terms, replacing, reconciling and correcting; recovery runs every second. Then the
+invariants, read from PostgreSQL, the partner's folders, the workers' folders and Temporal.
 
 Each fault class is counted, and a run that injected fewer than its profile's minimum fails: a quiet run proves
-nothing. Profiles (EXPORTS_CHAOS_PROFILE): `ci` (the default; about a minute) and `full`.
+nothing. Profiles (EXPORTS_CHAOS_PROFILE): `ci` (the default; about two minutes, run by `.ci/run`) and `full`.
 
 Runs only with EXPORTS_CHAOS=1. Seeded: the seed is printed, and EXPORTS_CHAOS_SEED=<seed> replays the same
 sequence of actions (their timing against the workers is, of course, not replayed exactly).
@@ -45,6 +46,7 @@ from starter.localstack.ports import free_port
 from starter.localstack.seed import seed_destination
 from starter.localstack.temporal import LocalTemporal
 from tests.faults import PgFaultProxy, fault_proxy
+from tests.support import CHAOS_REPORT
 from tests.workflow_support import Harness, WorkerProcess, open_harness, run_recovery
 from worker import running_worker
 
@@ -842,12 +844,13 @@ def summary(c: Chaos, rows: dict[uuid.UUID, dict[str, Any]], requests: list[dict
     lines += [f"  {status:<32} {n:>4}" for status, n in sorted(statuses.items())]
     lines += ["-" * 60,
               f"  exports created                  {len(c.jobs):>4}",
+              f"    of which replacements          {sum(r['replaces_job_id'] is not None for r in rows.values()):>4}",
               f"  worker processes started         {len(c.workers):>4}",
               f"  SIGKILLs during chaos            {c.kills:>4}",
               f"  SIGKILLs to leave one worker     {c.final_kills:>4}",
               f"  client cancels (clicks)          {len(c.cancels):>4}",
               f"    of which submitted twice       {sum(x.twice for x in c.cancels):>4}",
-              f"  Temporal cancels delivered       {len(c.temporal_cancels):>4}",
+              f"  Temporal cancels sent            {len(c.temporal_cancels):>4}",
               f"  recovery runs                    {c.recoveries:>4}",
               f"  recovery run errors              {len(c.recovery_errors):>4}"]
     lines += [f"  recovery recorded {kind:<15}{n:>4}" for kind, n in sorted(c.recorded.items())]
@@ -867,7 +870,7 @@ def summary(c: Chaos, rows: dict[uuid.UUID, dict[str, Any]], requests: list[dict
 @pytest.mark.chaos
 @pytest.mark.spec("CH1")
 @pytest.mark.timeout(300 if PROFILE is PROFILES["ci"] else 3600)
-async def test_chaos__kills_cancels_and_recovery_keep_every_invariant(db, store, tmp_path):
+async def test_chaos__kills_cancels_and_recovery_keep_every_invariant(db, store, tmp_path, request):
     seed = int(os.environ.get("EXPORTS_CHAOS_SEED") or random.SystemRandom().randrange(1, 10**6))
     print(f"\nchaos seed {seed} (replay with EXPORTS_CHAOS_SEED={seed})")
     t0 = time.monotonic()
@@ -914,7 +917,8 @@ async def test_chaos__kills_cancels_and_recovery_keep_every_invariant(db, store,
             requests = [dict(r) for r in await db.admin.fetch("SELECT * FROM cancellation_requests")]
             durations = {"seed": seed, "chaos": chaos_took, "settle": settle_took,
                          "check": time.monotonic() - check_started, "total": time.monotonic() - t0}
-            print(summary(c, rows, requests, durations))
+            report = summary(c, rows, requests, durations)
+            print(report)
             temporal_records = [r for r in requests if is_temporal_cancel(r)]
             print(f"  Temporal-cancel records: {Counter(r['outcome'] for r in temporal_records)}")
             for line in notes:
@@ -936,6 +940,8 @@ async def test_chaos__kills_cancels_and_recovery_keep_every_invariant(db, store,
                     print(f"  worker log: {w.log_path}")
             for v in violations:
                 print(f"VIOLATION {v}")
+            request.config.stash[CHAOS_REPORT] = "\n".join(
+                [report.strip("\n="), f"  violations: {len(violations)}"] + [f"  {v[:300]}" for v in violations[:10]])
             assert not violations, f"seed {seed}: {len(violations)} invariant violations:\n" + "\n".join(violations)
         finally:
             stop_recovery.set()

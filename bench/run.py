@@ -1,0 +1,72 @@
+"""`make bench`: each measure beside its external baseline, measured in the same run, as one table (and JSON).
+
+    .venv/bin/python -m bench.run [--quick] [--only P3,P6] [--json .exports/bench.json]
+
+Ratios are oriented so that more is better; the goal column is the project's target for each. Never a timed
+assertion: a measure that misses its goal is reported, not failed. `--quick` is a smoke run with small sizes and
+one round: its numbers say that the benchmarks work, not how fast anything is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+
+from bench import build, claims, upload
+from bench.table import Row, render, write_json
+
+# What each measure is given: (full run, --quick).
+SIZES = {
+    "P3": ({"claims": 8000, "rounds": 3}, {"claims": 800, "rounds": 1}),
+    "P5": ({"contacts": 900_000, "rounds": 3}, {"contacts": 50_000, "rounds": 1}),
+    "P6": ({"megabytes": 200, "rounds": 3}, {"megabytes": 20, "rounds": 1}),
+}
+MEASURES = {"P3": claims.measure, "P5": build.measure, "P6": upload.measure}
+UNAVAILABLE = {"P6": upload.unavailable}
+# Measures of the issue that have no benchmark here yet: listed, so that the table says what it does not cover.
+NOT_YET = {
+    "P1": ("exports/s, 200 small exports through Temporal", "no-op workflows, same activities", ">= 0.9"),
+    "P2": ("stop request -> Stopped row, p99 with 8 builds", "LISTEN/NOTIFY + read + write", "p99 <= 100 ms"),
+    "P4": ("recovery and sweep, 1,000 due rows among 1M", "the same among 10k", ">= 0.67"),
+}
+
+
+async def main(quick: bool, only: set[str] | None, json_path: Path) -> int:
+    started = time.perf_counter()
+    rows: list[Row] = []
+    for measure_id in sorted(set(MEASURES) | set(NOT_YET)):
+        if only and measure_id not in only:
+            continue
+        if measure_id in NOT_YET:
+            what, baseline, goal = NOT_YET[measure_id]
+            rows.append(Row(measure_id, what, "", None, None, baseline, goal, notes=["not measured yet"]))
+            continue
+        why_not = UNAVAILABLE.get(measure_id, lambda: None)()
+        if why_not:
+            rows.append(Row(measure_id, measure_id, "", None, None, "-", "-", notes=[f"skipped: {why_not}"]))
+            continue
+        print(f"measuring {measure_id} ...", flush=True)
+        rows.append(await MEASURES[measure_id](**SIZES[measure_id][1 if quick else 0]))
+    print()
+    print(render(rows))
+    took = time.perf_counter() - started
+    write_json(rows, json_path, quick=quick, seconds=round(took, 1), cpus=os.cpu_count(),
+               machine=platform.platform())
+    print(f"\n{len(rows)} measures in {took:.0f} s; written to {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, one round: a smoke run")
+    parser.add_argument("--only", default="", help="comma-separated measure IDs, e.g. P3,P6")
+    parser.add_argument("--json", default=".exports/bench.json", help="where to write the table as JSON")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    only = {m.strip().upper() for m in args.only.split(",") if m.strip()} or None
+    raise SystemExit(asyncio.run(main(args.quick, only, Path(args.json))))
