@@ -23,6 +23,7 @@ from typing import Any, Literal, get_args
 from uuid import UUID
 
 import asyncssh
+from asyncssh.encryption import get_default_encryption_algs
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from activities import outcomes
@@ -340,6 +341,11 @@ async def _lacks_pinned_key_type(dest: DestinationConfig, pinned: asyncssh.SSHKe
     return other is not None and other is not pinned and other.get_algorithm() != pinned.get_algorithm()
 
 
+# asyncssh's own ciphers, AES-GCM first: the client's order decides, and on a CPU with AES instructions AES-GCM
+# moves about twice the bytes of ChaCha20-Poly1305 per second of CPU. Nothing is added or dropped.
+CIPHERS = sorted((alg.decode() for alg in get_default_encryption_algs()), key=lambda alg: "-gcm@" not in alg)
+
+
 @asynccontextmanager
 async def connect(
     dest: DestinationConfig, *, connect_timeout: float = 10.0
@@ -368,6 +374,7 @@ async def connect(
             password_auth=False,
             kbdint_auth=False,
             preferred_auth="publickey",
+            encryption_algs=CIPHERS,
             connect_timeout=connect_timeout,
         )
     except asyncssh.HostKeyNotVerifiable as exc:
@@ -568,6 +575,10 @@ async def _record_quietly(
                        record.get("step"))
 
 
+# How many writes of one upload are in flight at once: 16 of 64 KiB keep a loopback or LAN link full.
+PIPELINED_WRITES = 16
+
+
 async def _upload(
     sftp: asyncssh.SFTPClient,
     local_path: str,
@@ -582,13 +593,19 @@ async def _upload(
     loop = asyncio.get_running_loop()
     started = loop.time()
     sent = 0
+    # Each piece goes out as parallel SFTP writes of `chunk_size` (asyncssh pipelines a large write), so the link
+    # and the cipher stay busy instead of waiting out a round trip per chunk. A throttled upload sends pieces of
+    # about a quarter second, so that its rate stays smooth.
+    piece = chunk_size * PIPELINED_WRITES
+    if throttle_bytes_per_second > 0:
+        piece = max(chunk_size, min(piece, throttle_bytes_per_second // 4 // chunk_size * chunk_size))
     async with _within(operation_timeout):
         # "wb" truncates: a temporary file left by an earlier attempt under the same name is simply replaced.
-        remote = await sftp.open(temp_path, "wb")
+        remote = await sftp.open(temp_path, "wb", block_size=chunk_size, max_requests=PIPELINED_WRITES)
     # On failure the handle is not closed here: closing the connection releases it.
-    # Local reads are small and blocking; a thread per chunk would cost more than the read.
+    # Local reads are blocking but short (a page-cache read of one piece); a thread would cost more.
     with open(local_path, "rb") as local:
-        while chunk := local.read(chunk_size):
+        while chunk := local.read(piece):
             async with _within(operation_timeout):
                 await remote.write(chunk, sent)
             sent += len(chunk)

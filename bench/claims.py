@@ -35,11 +35,16 @@ async def _seed_jobs(admin: asyncpg.Connection, tenant: uuid.UUID, destination: 
                      count: int) -> None:
     """Queued jobs numbered first.., written by the owner in one statement (creation's rules are not measured)."""
     await admin.execute("""
+        WITH numbered AS (
+            SELECT n, CAST('00000000-0000-4000-8000-' || lpad(to_hex(n), 12, '0') AS uuid) AS id, 'k' || n AS key
+            FROM generate_series($3::bigint, $3::bigint + $4 - 1) AS n),
+        delivery AS (
+            INSERT INTO deliveries (tenant_id, delivery_key, original_job_id) SELECT $1::uuid, key, id FROM numbered)
         INSERT INTO export_jobs (id, tenant_id, status, version, destination_id, delivery_key, final_name,
                                  created_by, woken_at)
-        SELECT CAST('00000000-0000-4000-8000-' || lpad(to_hex(n), 12, '0') AS uuid), $1, 'Queued', 1, $2,
-               'k' || n, 'contacts-' || $1 || '-k' || n || '.csv', 'bench', clock_timestamp()
-        FROM generate_series($3::bigint, $3::bigint + $4 - 1) AS n""", tenant, destination, first, count)
+        SELECT id, $1::uuid, 'Queued', 1, $2, key, 'contacts-' || $1::uuid::text || '-' || key || '.csv', 'bench',
+               clock_timestamp()
+        FROM numbered""", tenant, destination, first, count)
 
 
 def _pgbench_script(pool_first: int, pool_size: int) -> str:

@@ -7,7 +7,9 @@ from pathlib import Path
 import asyncpg
 from alembic import command
 from alembic.config import Config
+from sqlalchemy import event
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -16,7 +18,18 @@ MIGRATIONS = Path(__file__).parent / "migrations"
 def make_engine(url: str, *, pool_size: int = 5) -> AsyncEngine:
     if not url:
         raise ValueError("no database URL configured (EXPORTS_DATABASE_URL, or start `exports dev`)")
-    return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+    engine = create_async_engine(url, pool_size=pool_size, max_overflow=pool_size)
+
+    @event.listens_for(engine.sync_engine, "checkout")
+    def _replace_closed(dbapi_connection, connection_record, connection_proxy) -> None:
+        # asyncpg notices, without a round trip, a connection the server or the network closed (a restart, a
+        # cut), and the pool then replaces it. pool_pre_ping would ask the server instead: three round trips
+        # (BEGIN, a ping, ROLLBACK) before every statement. A connection that died silently fails its statement,
+        # which the store treats as an uncertain answer, and the pool drops every connection older than that.
+        if connection_record.driver_connection.is_closed():
+            raise DisconnectionError("the pooled connection was closed")
+
+    return engine
 
 
 def asyncpg_dsn(url: str) -> str:

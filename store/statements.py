@@ -37,9 +37,18 @@ async def transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
 
 
 async def write(engine: AsyncEngine, name: str, **params: Any) -> int:
-    """Run one statement in its own transaction; the row count of its outer command."""
-    async with transaction(engine) as conn:
-        return (await conn.execute(statement(name), params)).rowcount
+    """Run one statement, committed on its own; the row count of its outer command. A single statement is atomic
+    without a transaction block (its deferred checks run at its implicit commit), so BEGIN and COMMIT would only
+    add two round trips."""
+    try:
+        async with engine.connect() as conn:
+            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            return (await conn.execute(statement(name), params)).rowcount
+    except Exception as exc:
+        translated = errors.translate(exc)
+        if translated is exc:
+            raise
+        raise translated from exc
 
 
 async def fetch_one(conn: AsyncConnection, name: str, **params: Any) -> dict[str, Any] | None:

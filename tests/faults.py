@@ -34,6 +34,7 @@ def socket_path(socket_dir: str) -> str:
 class _Rule:
     marker: bytes
     fired: asyncio.Event = field(default_factory=asyncio.Event)
+    failed: bool = False  # the armed statement failed: nothing will commit
 
 
 @dataclass(eq=False)  # identity: kept in a set
@@ -91,8 +92,10 @@ class PgFaultProxy:
     # --- faults -------------------------------------------------------------------------------------------------
 
     def cut_after_commit(self, marker: str) -> asyncio.Event:
-        """Let the statement holding `marker` and its COMMIT through, then drop the server's COMMIT reply and
-        close both sides: committed on the server, never heard by the client. The event is set at the cut."""
+        """Let the statement holding `marker` and its commit through, then drop the server's reply to the commit
+        and close both sides: committed on the server, never heard by the client. The commit is a COMMIT, or, for
+        a statement run outside a transaction block, the statement itself (the server is idle after it). The
+        event is set at the cut."""
         self._after_commit = _Rule(marker.encode())
         return self._after_commit.fired
 
@@ -185,8 +188,7 @@ class PgFaultProxy:
         elif kind == b"P":
             name, _, rest = body.partition(b"\0")
             sql = rest.partition(b"\0")[0]
-            if name:
-                conn.prepared[name] = sql  # asyncpg caches statements and later runs them by name alone
+            conn.prepared[name] = sql  # asyncpg caches statements and later runs them by name alone
         elif kind == b"B":
             sql = conn.prepared.get(body.split(b"\0", 2)[1], b"")  # portal name, then the statement's name
         else:
@@ -199,7 +201,9 @@ class PgFaultProxy:
             self._before = None
             self._drop(conn)
             return False
-        if self._after_commit is not None and self._after_commit.marker in sql:
+        # Armed when the statement runs (Bind or a simple query), not when it is only prepared: a prepare ends in
+        # its own ReadyForQuery, which must not be taken for the commit.
+        if self._after_commit is not None and kind != b"P" and self._after_commit.marker in sql:
             conn.armed, self._after_commit = self._after_commit, None
         return True
 
@@ -216,6 +220,18 @@ class PgFaultProxy:
                     return
                 if conn.armed is not None and head[:1] == b"C" and body.rstrip(b"\0") == b"ROLLBACK":
                     conn.armed = None  # the statement failed: nothing committed, nothing to cut
+                if conn.armed is not None and head[:1] == b"E":
+                    conn.armed.failed = True
+                # ReadyForQuery "idle" right after the armed statement ran outside a transaction block: its own
+                # commit. Drop it, so the client never learns the answer.
+                if conn.armed is not None and head[:1] == b"Z" and body == b"I":
+                    if conn.armed.failed:
+                        conn.armed = None
+                    else:
+                        log.info("proxy: cutting after the autocommit of %r", conn.armed.marker)
+                        conn.armed.fired.set()
+                        conn.armed = None
+                        return
                 conn.client.write(head + body)
                 await conn.client.drain()
         except (asyncio.IncompleteReadError, ConnectionError, OSError):

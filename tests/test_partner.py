@@ -10,6 +10,7 @@ import asyncssh
 import pytest
 
 from activities.partner import (
+    PIPELINED_WRITES,
     HostKeyMismatch,
     PartnerContract,
     RemoteFile,
@@ -46,11 +47,29 @@ async def test_delivery_completes_byte_for_byte(partner: LocalPartner, local: tu
                                         mtime=result.receipt.mtime)
     assert (partner.final_dir / "contacts-k.csv").read_bytes() == data
     assert listdir(partner.temp_dir) == []
-    assert len(progress) == 11 and progress[-1] == (len(data), len(data))
+    # Progress after each piece (PIPELINED_WRITES chunks in flight at once), rising to the whole file.
+    sizes = [0] + [sent for sent, _ in progress]
+    assert progress[-1] == (len(data), len(data)) and len(progress) == -(-len(data) // (CHUNK * PIPELINED_WRITES))
+    assert all(0 < b - a <= CHUNK * PIPELINED_WRITES for a, b in zip(sizes, sizes[1:]))
     assert evidence.steps == ["baseline", "rename", "receipt"]
     assert evidence.first("baseline")["final"] == {"path": "/outbound/contacts-k.csv", "exists": False,
                                                    "size": None, "mtime": None}
     assert evidence.first("receipt")["expected_bytes"] == len(data)
+
+
+async def test_a_large_file_goes_out_in_pipelined_pieces_and_a_throttled_one_in_small_ones(
+    partner: LocalPartner, tmp_path: Path
+) -> None:
+    path = tmp_path / "large.csv"
+    data = make_file(path, 3 * PIPELINED_WRITES * CHUNK + 5)
+    for throttle, piece in ((0, PIPELINED_WRITES * CHUNK), (8 * CHUNK * 4, 8 * CHUNK)):
+        progress: list[int] = []
+        (partner.final_dir / "contacts-k.csv").unlink(missing_ok=True)
+        result = await bounded(deliver(partner.destination(), str(path), "contacts-k.csv", "k.part",
+                                       record_evidence=Evidence(), on_progress=lambda s, t: progress.append(s),
+                                       chunk_size=CHUNK, throttle_bytes_per_second=throttle))
+        assert result.outcome == "Completed" and (partner.final_dir / "contacts-k.csv").read_bytes() == data
+        assert progress == [*range(piece, len(data), piece), len(data)], (throttle, progress)
 
 
 async def test_occupied_final_name_uploads_nothing(partner: LocalPartner, local: tuple[Path, bytes]) -> None:

@@ -395,3 +395,21 @@ async def test_uncertainty_is_what_a_cut_raises_and_nothing_else(db, proxy):
         assert errors.is_uncertain(cut.value), repr(cut.value)
     finally:
         await engine.dispose()
+
+
+async def test_a_pooled_connection_the_server_closed_is_replaced_before_a_write_uses_it(
+        db, store, proxy, faulty, caplog):
+    """No ping before each statement (it cost three round trips), yet a connection closed while it sat in the pool
+    (a restart, a cut) is never handed to a write: asyncpg has seen it close, and the pool replaces it at checkout,
+    so the claim is answered at once instead of going through the uncertain path and its re-read."""
+    job_id = await queued_job(db, store)
+    await warm(faulty, proxy, job_id)
+    proxy.cut_all()
+    await eventually(lambda: asyncio.sleep(0, proxy.open_connections), lambda n: n == 0, timeout=BOUND,
+                     what="the proxy closed the pooled connection")
+    await asyncio.sleep(0.2)  # the client's event loop reads the close (it does in well under this)
+    with caplog.at_level(logging.WARNING, logger="store.jobs"):
+        assert await bounded(faulty.claim(job_id, 1, uuid.uuid4(), "worker-a")) is ClaimResult.CLAIMED
+    assert proxy.accepted == 2  # the closed connection was replaced, not used
+    assert not [r for r in caplog.records if "uncertain" in r.getMessage()], caplog.text
+    assert (await store.read_job(job_id)).status is Status.RUNNING
