@@ -162,7 +162,8 @@ class CancelOutput(BaseModel):
 
 
 class RecoveryInput(BaseModel):
-    limit: int = Field(default=100, ge=1)
+    limit: int = Field(default=100, ge=1)  # candidates per batch
+    rounds: int = Field(default=10, ge=1, le=100)  # batches per run at most: 1,000 takeovers by default
 
 
 class Candidate(BaseModel):

@@ -118,3 +118,34 @@ async def test_sweeper_workflow__republishes_a_job_whose_wake_up_was_lost_and_it
     row = await h.settled(job_id)  # the sweep's outbox row reached the dispatcher, which started the workflow
     assert (row.status, row.sweep_count) == (Status.COMPLETED, 1)
     assert await h.db.admin.fetchval("SELECT count(*) FROM outbox WHERE job_id = $1", job_id) == 2
+
+
+async def test_recovery_workflow__clears_a_backlog_larger_than_its_batch_in_one_run(db, store, client, tmp_path):
+    """25 expired attempts and a batch of 10: one run nominates again after each batch until the backlog is gone,
+    taking several over at once, instead of leaving 15 to the next runs."""
+    from activities.contracts import RecoveryInput, RecoveryReport
+
+    async with AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False)
+        jobs = [uuid.uuid4() for _ in range(25)]
+        await h.db.admin.execute("""
+            WITH numbered AS (SELECT id, gen_random_uuid() AS attempt, id::text AS key FROM unnest($3::uuid[]) AS id),
+            delivery AS (INSERT INTO deliveries (tenant_id, delivery_key, original_job_id)
+                         SELECT $1, key, id FROM numbered),
+            job AS (INSERT INTO export_jobs (id, tenant_id, status, version, destination_id, delivery_key,
+                                             final_name, created_by, woken_at, attempt_id, attempt_count, claimed_by,
+                                             lease_expires_at)
+                    SELECT id, $1, 'Running', 1, $2, key, 'contacts-' || $1::text || '-' || key || '.csv', 'tests',
+                           clock_timestamp(), attempt, 1, 'dead/0', clock_timestamp() - interval '1 minute'
+                    FROM numbered RETURNING id, attempt_id)
+            INSERT INTO export_attempt_events (job_id, attempt_id, kind, version, worker_id, recorded_at)
+            SELECT id, attempt_id, 'Claimed', 1, 'dead/0', clock_timestamp() FROM job""",
+            h.tenant_id, h.destination_id, jobs)
+        report = await h.client.execute_workflow(
+            "RecoveryWorkflow", RecoveryInput(limit=10), id=f"recovery-{uuid.uuid4().hex[:8]}",
+            task_queue=h.settings.task_queue, result_type=RecoveryReport)
+        assert report.nominated == 25
+        assert sorted(str(t.job_id) for t in report.taken_over if t.recorded == "RequeuedByRecovery") == sorted(
+            map(str, jobs))
+        statuses = await h.db.admin.fetch("SELECT status FROM export_jobs WHERE id = ANY($1::uuid[])", jobs)
+        assert {r["status"] for r in statuses} == {Status.QUEUED.value}

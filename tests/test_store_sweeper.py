@@ -4,6 +4,7 @@ real database with the real 30-minute threshold and real row locks held on other
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import uuid
 
@@ -233,3 +234,30 @@ async def test_each_republication_increments_sweep_count(db, store, app_engine, 
     messages = await outbox(db, job_id)
     assert len(messages) == 4 and len(set(messages)) == 4
     assert (await job(db, job_id))["status"] == Status.QUEUED.value
+
+
+async def test_the_sweep_finds_its_due_rows_through_the_index_bounds_not_by_reading_every_queued_row(db):
+    """With a thousand queued jobs woken just now, the sweep's scan is bounded by the cutoff in the index: it reads
+    only what is due (none here), so its cost does not grow with the queue. A volatile cutoff (clock_timestamp())
+    cannot bound an index scan and made every sweep read the whole queue."""
+    tenant_id, destination_id = await seed_tenant(db.admin)
+    await db.admin.execute("""
+        WITH numbered AS (SELECT gen_random_uuid() AS id, 'q' || n AS key FROM generate_series(1, 1000) AS n),
+        delivery AS (INSERT INTO deliveries (tenant_id, delivery_key, original_job_id) SELECT $1, key, id FROM numbered)
+        INSERT INTO export_jobs (id, tenant_id, status, version, destination_id, delivery_key, final_name, created_by,
+                                 woken_at)
+        SELECT id, $1, 'Queued', 1, $2, key, 'contacts-' || $1::text || '-' || key || '.csv', 't', clock_timestamp()
+        FROM numbered""", tenant_id, destination_id)
+    await db.admin.execute("ANALYZE export_jobs")
+    sql = statement("sweep").text.replace(":threshold_seconds", "1800").replace(":batch", "500")
+    plan = await db.admin.fetchval("EXPLAIN (ANALYZE, FORMAT JSON) " + sql)
+    plan = plan if isinstance(plan, list) else json.loads(plan)
+
+    def scans(node):
+        yield node
+        for child in node.get("Plans", []):
+            yield from scans(child)
+
+    woken = [n for n in scans(plan[0]["Plan"]) if n.get("Index Name") == "ix_export_jobs_woken"]
+    assert woken and all("woken_at" in n.get("Index Cond", "") for n in woken), woken
+    assert sum(n.get("Rows Removed by Filter", 0) + n["Actual Rows"] for n in woken) == 0, woken

@@ -7,6 +7,7 @@ case), so the UI shows what it did to which export. The sweeper republishes queu
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 
 from temporalio import workflow
@@ -29,24 +30,51 @@ _STEP = {
 }
 
 
+# Runs started before recovery drained its backlog in rounds replay the single batch they recorded.
+_ROUNDS_PATCH = "recovery-rounds"
+# Takeovers of one batch in flight at once: each is its own conditional statement on its own row.
+_TAKEOVERS_AT_ONCE = 10
+
+
 @workflow.defn
 class RecoveryWorkflow:
     @workflow.run
     async def run(self, request: RecoveryInput) -> RecoveryReport:
-        candidates: list[Candidate] = await workflow.execute_activity(
+        if not workflow.patched(_ROUNDS_PATCH):
+            return await self._one_batch(request)
+        # A batch at a time, nominating again after each, until one comes back short or changes nothing (what it
+        # nominated moved on, or cannot be taken over now): a backlog clears in one run, and the run is bounded.
+        nominated, taken = 0, []
+        for _ in range(request.rounds):
+            candidates = await self._nominate(request)
+            nominated += len(candidates)
+            batch: list[TakeoverOutput] = []
+            for at in range(0, len(candidates), _TAKEOVERS_AT_ONCE):
+                batch += await asyncio.gather(*(self._take_over(c) for c in candidates[at:at + _TAKEOVERS_AT_ONCE]))
+            taken += batch
+            if len(candidates) < request.limit or not any(t.recorded for t in batch):
+                break
+        return RecoveryReport(nominated=nominated, taken_over=taken)
+
+    async def _one_batch(self, request: RecoveryInput) -> RecoveryReport:
+        candidates = await self._nominate(request)
+        taken = [await self._take_over(candidate) for candidate in candidates]
+        return RecoveryReport(nominated=len(candidates), taken_over=taken)
+
+    async def _nominate(self, request: RecoveryInput) -> list[Candidate]:
+        return await workflow.execute_activity(
             "nominate_expired", request, result_type=list[Candidate], summary="nominate expired leases", **_STEP
         )
-        taken: list[TakeoverOutput] = []
-        for candidate in candidates:
-            taken.append(await workflow.execute_activity(
-                "take_over",
-                candidate,
-                result_type=TakeoverOutput,
-                summary=f"take over export {candidate.job_id}, {candidate.status.value}, "
-                        f"attempt {candidate.attempt_count}",
-                **_STEP,
-            ))
-        return RecoveryReport(nominated=len(candidates), taken_over=taken)
+
+    async def _take_over(self, candidate: Candidate) -> TakeoverOutput:
+        return await workflow.execute_activity(
+            "take_over",
+            candidate,
+            result_type=TakeoverOutput,
+            summary=f"take over export {candidate.job_id}, {candidate.status.value}, "
+                    f"attempt {candidate.attempt_count}",
+            **_STEP,
+        )
 
 
 @workflow.defn
