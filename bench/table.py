@@ -22,6 +22,7 @@ class Row:
     baseline_name: str
     goal: str  # e.g. ">= 1.1"; compared with the ratio
     higher_is_better: bool = True
+    goal_on: str = "ratio"  # or "project": an absolute goal on the project's own value, in its unit
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -33,10 +34,11 @@ class Row:
 
     @property
     def met(self) -> bool | None:
-        if self.ratio is None:
+        value = self.project if self.goal_on == "project" else self.ratio
+        if value is None:
             return None
-        op, _, bound = self.goal.partition(" ")
-        return self.ratio >= float(bound) if op == ">=" else self.ratio <= float(bound)
+        op, bound = self.goal.split()[:2]
+        return value >= float(bound) if op == ">=" else value <= float(bound)
 
 
 async def median_of(rounds: int, work: Callable[[], Awaitable[float]]) -> float:
