@@ -17,34 +17,28 @@ import platform
 import time
 from pathlib import Path
 
-from bench import build, claims, recovery, stop, upload
+from bench import build, claims, recovery, stop, throughput, upload
 from bench.table import Row, render, write_json
 
 # What each measure is given: (full run, --quick).
 SIZES = {
+    "P1": ({"exports": 200, "rounds": 3}, {"exports": 20, "rounds": 1}),
     "P2": ({"samples": 30}, {"samples": 3}),
     "P3": ({"claims": 8000, "rounds": 3}, {"claims": 800, "rounds": 1}),
-    "P5": ({"contacts": 900_000, "rounds": 3}, {"contacts": 50_000, "rounds": 1}),
     "P4": ({"small": 10_000, "large": 1_000_000}, {"small": 10_000, "large": 100_000}),
+    "P5": ({"contacts": 900_000, "rounds": 3}, {"contacts": 50_000, "rounds": 1}),
     "P6": ({"megabytes": 200, "rounds": 3}, {"megabytes": 20, "rounds": 1}),
 }
-MEASURES = {"P2": stop.measure, "P3": claims.measure, "P4": recovery.measure, "P5": build.measure, "P6": upload.measure}
+MEASURES = {"P1": throughput.measure, "P2": stop.measure, "P3": claims.measure, "P4": recovery.measure,
+            "P5": build.measure, "P6": upload.measure}
 UNAVAILABLE = {"P6": upload.unavailable}
-# Measures of the issue that have no benchmark here yet: listed, so that the table says what it does not cover.
-NOT_YET = {
-    "P1": ("exports/s, 200 small exports through Temporal", "no-op workflows, same activities", ">= 0.9"),
-}
 
 
 async def main(quick: bool, only: set[str] | None, json_path: Path) -> int:
     started = time.perf_counter()
     rows: list[Row] = []
-    for measure_id in sorted(set(MEASURES) | set(NOT_YET)):
+    for measure_id in sorted(MEASURES):
         if only and measure_id not in only:
-            continue
-        if measure_id in NOT_YET:
-            what, baseline, goal = NOT_YET[measure_id]
-            rows.append(Row(measure_id, what, "", None, None, baseline, goal, notes=["not measured yet"]))
             continue
         why_not = UNAVAILABLE.get(measure_id, lambda: None)()
         if why_not:
