@@ -155,6 +155,9 @@ class DeliverOutput(BaseModel):
     failure_reason: FailureCode | None = None
     summary: str
     written: bool
+    # The row as the terminal write left it, read back at once, so the workflow needs no step to re-read it; None
+    # when nothing was written or the read failed (the workflow then reads the row itself).
+    row: JobRow | None = None
 
 
 class CancelOutput(BaseModel):

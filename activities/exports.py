@@ -516,7 +516,17 @@ class ExportActivities:
         if not written:
             log.warning("terminal write of %s attempt %s matched nothing; recovery reconciles from evidence",
                         job.id, attempt_id)
-        return DeliverOutput(outcome=outcome, failure_reason=failure, summary=result.summary, written=written)
+        return DeliverOutput(outcome=outcome, failure_reason=failure, summary=result.summary, written=written,
+                             row=await self._row_after(job.id) if written else None)
+
+    async def _row_after(self, job_id: UUID) -> JobRow | None:
+        """The row as the terminal write left it; None if it cannot be read now (the workflow reads it then)."""
+        try:
+            async with asyncio.timeout(self.settings.reread_timeout_seconds):
+                return await self.store.read_job(job_id)
+        except Exception as exc:  # noqa: BLE001 - only a shortcut is lost: the workflow re-reads the row itself
+            log.info("could not read %s back after its terminal write: %s", job_id, exc)
+            return None
 
 
 def _uuid(value: str) -> UUID:

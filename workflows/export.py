@@ -60,6 +60,8 @@ _IDLE_RECHECK = timedelta(minutes=5)
 _UNCONFIRMED_CLAIM_RETRY = timedelta(seconds=5)
 # A build whose worker is lost resumes elsewhere this many times, each only while its lease renewal matches.
 _BUILD_RESUMPTIONS = 3
+# Runs that started before the delivery returned its row replay the re-read they recorded.
+_ROW_FROM_DELIVERY = "row-from-delivery"
 _STOP_OUTCOMES = (CancellationOutcome.STOP_REQUESTED, CancellationOutcome.STOP_ALREADY_REQUESTED)
 # A cancellation that found its row locked (Busy) is asked again this many times, this far apart.
 _BUSY_RETRIES = 5
@@ -86,6 +88,7 @@ class ExportWorkflow:
         self._busy: dict[uuid.UUID, int] = {}  # request ID -> how often its row was found locked
         self._cancel_in_flight_later = 0
         self._why: str = ""
+        self._delivered_row: JobRow | None = None  # the row the delivery's terminal write left, read back at once
 
     @workflow.signal
     def wake(self, wake: Wake) -> None:
@@ -158,6 +161,10 @@ class ExportWorkflow:
         job_id = str(request.job_id)
         while True:
             self._woken = False
+            delivered, self._delivered_row = self._delivered_row, None
+            if delivered is not None and delivered.status.is_settled:
+                row = self._observe(delivered)  # no step needed to read what the delivery just wrote
+                break
             try:
                 evaluation: Evaluation = await workflow.execute_activity(
                     "evaluate_policy", job_id, result_type=Evaluation, summary="read row, evaluate policy",
@@ -303,6 +310,8 @@ class ExportWorkflow:
                 **on_worker,
             )
             self._why = f"delivery: {delivered.summary}"
+            if delivered.row is not None and workflow.patched(_ROW_FROM_DELIVERY):
+                self._delivered_row = delivered.row
         except ActivityError:
             pass  # never a second upload: the row stays Delivering and recovery resolves it
         return True
