@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -18,10 +16,11 @@ from pathlib import Path
 import asyncpg
 
 from activities.builder import CONTACTS_QUERY
+from bench.stack import postgres_only
 from bench.table import Row
-from starter.localstack.postgres import ROLES, LocalPostgres
+from starter.localstack.postgres import ROLES
 from starter.localstack.seed import seed_contacts
-from store.db import asyncpg_dsn, migrate
+from store.db import asyncpg_dsn
 
 # Run as `python -c CHILD dsn tenant path`: builds once and prints its size, seconds and RSS growth as JSON.
 CHILD = """
@@ -52,11 +51,7 @@ async def _run(*argv: str) -> str:
 
 
 async def measure(*, contacts: int, rounds: int) -> Row:
-    folder = Path(tempfile.mkdtemp(prefix="exports-bench-build-"))
-    postgres = LocalPostgres(folder / "data")
-    postgres.start()
-    try:
-        await migrate(postgres.url("owner"))
+    async with postgres_only("build") as (folder, postgres):
         owner = await asyncpg.connect(asyncpg_dsn(postgres.url("owner")))
         tenant = uuid.uuid4()
         await seed_contacts(owner, tenant, contacts)
@@ -77,9 +72,6 @@ async def measure(*, contacts: int, rounds: int) -> Row:
                 raise RuntimeError(f"the builder wrote {built['bytes']} bytes, psql {target.stat().st_size}")
             ours.append(built["bytes"] / 1e6 / built["seconds"])
             rss.append((built["rss_kib"] / 1024, built["peak_kib"] / 1024))
-    finally:
-        postgres.stop()
-        shutil.rmtree(folder, ignore_errors=True)
     row = Row("P5", f"CSV build of {contacts:,} contacts", "MB/s", sorted(ours)[rounds // 2],
               sorted(theirs)[rounds // 2], "psql \\copy (query) to file", ">= 1.0")
     grown, peak = sorted(rss)[rounds // 2]

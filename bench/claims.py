@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shutil
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
 import asyncpg
 
+from bench.stack import postgres_only
 from bench.table import Row
 from starter.localstack.postgres import ROLES, LocalPostgres
 from starter.localstack.seed import seed_destination
-from store.db import asyncpg_dsn, make_engine, migrate
+from store.db import asyncpg_dsn, make_engine
 from store.jobs import JobStore
 from store.statements import SQL_DIR
 
@@ -88,11 +87,7 @@ async def _store_claims(store: JobStore, numbers: range) -> float:
 
 
 async def measure(*, claims: int, rounds: int) -> Row:
-    folder = Path(tempfile.mkdtemp(prefix="exports-bench-claims-"))
-    postgres = LocalPostgres(folder / "data")
-    postgres.start()
-    try:
-        await migrate(postgres.url("owner"))
+    async with postgres_only("claims") as (folder, postgres):
         admin = await asyncpg.connect(asyncpg_dsn(postgres.url("owner")))
         tenant = uuid.uuid4()
         destination = await seed_destination(admin, tenant, name="bench", host="127.0.0.1", port=22, username="u",
@@ -115,8 +110,5 @@ async def measure(*, claims: int, rounds: int) -> Row:
             next_job += pool
         await engine.dispose()
         await admin.close()
-    finally:
-        postgres.stop()
-        shutil.rmtree(folder, ignore_errors=True)
     return Row("P3", f"claims/s through store/, {CLIENTS} concurrent", "claims/s", sorted(ours)[rounds // 2],
                sorted(theirs)[rounds // 2], f"pgbench claim.sql, {CLIENTS} clients", ">= 0.66")

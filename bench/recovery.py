@@ -9,19 +9,15 @@ large table takes 1.5 times as long).
 
 from __future__ import annotations
 
-import asyncio
-import shutil
-import tempfile
 import time
 import uuid
-from pathlib import Path
 
 import asyncpg
 
+from bench.stack import postgres_only
 from bench.table import Row
-from starter.localstack.postgres import LocalPostgres
 from starter.localstack.seed import seed_destination
-from store.db import asyncpg_dsn, make_engine, migrate
+from store.db import asyncpg_dsn, make_engine
 from store.recovery import Recovery
 from store.settings import Settings
 from store.sweeper import sweep_all
@@ -72,11 +68,7 @@ async def _recovery_pass(recovery: Recovery, batch: int) -> int:
 
 
 async def _measure_one(rows: int, settings: Settings) -> tuple[float, float]:
-    folder = Path(tempfile.mkdtemp(prefix="exports-bench-recovery-"))
-    postgres = LocalPostgres(folder / "data")
-    postgres.start()
-    try:
-        await migrate(postgres.url("owner"))
+    async with postgres_only("recovery") as (_, postgres):
         admin = await asyncpg.connect(asyncpg_dsn(postgres.url("owner")))
         await _seed(admin, rows)
         engine = make_engine(postgres.url("app"))
@@ -100,9 +92,6 @@ async def _measure_one(rows: int, settings: Settings) -> tuple[float, float]:
         if taken != DUE:
             raise RuntimeError(f"expected {DUE} takeovers, got {taken}")
         return recovery_seconds, sorted(sweeps)[SWEEP_ROUNDS // 2]
-    finally:
-        postgres.stop()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 async def measure(*, small: int, large: int) -> list[Row]:

@@ -8,32 +8,19 @@ its steps change; it is reported beside the ratio (the goal is at most 4).
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import sys
-import tempfile
 import time
 import uuid
-from pathlib import Path
 
 import asyncpg
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
+from bench.stack import full_stack
 from bench.table import Row
 from starter.client import ExportsClient
-from starter.localstack import processes
-from starter.localstack.partner import LocalPartner
-from starter.localstack.ports import free_port
-from starter.localstack.postgres import LocalPostgres
-from starter.localstack.seed import seed_contacts, seed_destination
-from starter.localstack.temporal import LocalTemporal
-from store.db import asyncpg_dsn, make_engine, migrate
+from store.db import make_engine
 from store.jobs import JobStore
-from store.settings import Settings, as_env
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 async def _activities_of(client: Client, workflow_id: str) -> int:
@@ -68,49 +55,24 @@ async def _baseline(client: Client, task_queue: str, count: int, activities: int
 
 
 async def measure(*, exports: int, rounds: int) -> Row:
-    folder = Path(tempfile.mkdtemp(prefix="exports-bench-throughput-"))
-    postgres = LocalPostgres(folder / "data")
-    postgres.start()
-    temporal = LocalTemporal(folder / "temporal", ui_port=free_port())
-    partner = LocalPartner(folder / "partner")
-    workers: list = []
-    try:
-        await migrate(postgres.url("owner"))
-        await temporal.start()
-        await partner.start()
-        admin = await asyncpg.connect(asyncpg_dsn(postgres.url("owner")))
-        tenant = uuid.uuid4()
-        await seed_contacts(admin, tenant, 100)
-        d = partner.destination()
-        destination = await seed_destination(admin, tenant, name="bench", host=d.host, port=d.port,
-                                             username=d.username, final_dir=d.final_dir, temp_dir=d.temp_dir,
-                                             host_key=d.host_key, credential_ref=d.credential_ref)
-        settings = Settings(**postgres.urls("postgres"), temporal_address=temporal.address,
-                            task_queue="bench-exports", work_dir=folder / "work")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("EXPORTS_")}
-        workers.append(await processes.spawn(sys.executable, "-m", "worker", log_path=folder / "worker.log",
-                                             env={**env, **as_env(settings)}, cwd=str(ROOT)))
-        workers.append(await processes.spawn(sys.executable, "-m", "bench.noop_worker", temporal.address,
-                                             "bench-noop", log_path=folder / "noop.log", env=env, cwd=str(ROOT)))
-        client = await Client.connect(temporal.address, data_converter=pydantic_data_converter)
-        engine = make_engine(postgres.url("app"))
+    async with full_stack("throughput", contacts=100) as stack:
+        settings = stack.settings(task_queue="bench-exports")
+        await stack.spawn("worker", settings=settings)
+        await stack.spawn("bench.noop_worker", stack.temporal.address, "bench-noop")
+        client = await Client.connect(stack.temporal.address, data_converter=pydantic_data_converter)
+        engine = make_engine(stack.postgres.url("app"))
         client_of_exports = ExportsClient(JobStore(engine, lease_seconds=settings.lease_seconds), client,
                                           task_queue=settings.task_queue)
         ours, theirs, per_export = [], [], 0
-        for _ in range(rounds):
-            rate, sample = await _project(client_of_exports, admin, tenant, destination, exports)
-            ours.append(rate)
-            per_export = await _activities_of(client, f"export-{sample}")
-            theirs.append(await _baseline(client, "bench-noop", exports, per_export))
-        await engine.dispose()
-        await admin.close()
-    finally:
-        for process in workers:
-            await processes.stop(process)
-        await partner.stop()
-        await temporal.stop()
-        postgres.stop()
-        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            for _ in range(rounds):
+                rate, sample = await _project(client_of_exports, stack.admin, stack.tenant, stack.destination,
+                                              exports)
+                ours.append(rate)
+                per_export = await _activities_of(client, f"export-{sample}")
+                theirs.append(await _baseline(client, "bench-noop", exports, per_export))
+        finally:
+            await engine.dispose()
     row = Row("P1", f"exports/s, {exports} small exports at once through Temporal", "/s", sorted(ours)[rounds // 2],
               sorted(theirs)[rounds // 2], f"no-op workflows of {per_export} activities", ">= 0.9")
     row.notes.append(f"{per_export} activities per export (goal: at most 4)")
