@@ -9,23 +9,26 @@ import hashlib
 import json
 import uuid
 from contextlib import AsyncExitStack
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowExecutionStatus
+from temporalio.worker import Worker
 
 from activities.checkpoints import BUILD_CANCELLED, Checkpoints
-from activities.contracts import ExportResult
+from activities.contracts import CancelOutput, CancelRequest, Evaluation, ExportInput, ExportResult, Wake
 from starter.dispatcher import OutboxDispatcher
 from starter.localstack.temporal import temporal_binary
 from store.db import asyncpg_dsn, make_engine
-from store.models import CancellationOutcome, FailureCode, Status
+from store.models import CancellationOutcome, CancellationResult, FailureCode, JobRow, Status
 from store.reconciliation import correct
 from tests.store_states import drive
 from tests.support import built_files, eventually
 from tests.workflow_support import Harness, open_harness, run_recovery
+from workflows.export import ExportWorkflow
 
 STOP_BOUND_SECONDS = 1.0
 
@@ -438,3 +441,53 @@ async def test_correction__during_the_replacements_build_ends_it_original_delive
     failed_at = await db.admin.fetchval(
         "SELECT max(recorded_at) FROM export_attempt_events WHERE job_id = $1", replacement)
     assert corrected_at < failed_at
+
+
+async def test_a_wake_up_while_the_last_cancellation_is_recorded_is_read_before_the_run_returns(client):
+    """Seen in the chaos run: an OutcomeUnknown export was reconciled and corrected while its run, the row already
+    settled, was still recording a cancellation. Both outbox wake-ups reached that run, which returned the old
+    state, so the latest run and its ExportStatus disagreed with the row for good. Here with the workflow's own
+    steps replaced by stand-ins the test controls: the run must read the row again before it returns."""
+    job_id, tenant_id = uuid.uuid4(), uuid.uuid4()
+    now = datetime.now(timezone.utc)
+    states = {"status": Status.FAILED}
+    first_read, recording = asyncio.Event(), asyncio.Event()
+    reads: list[Status] = []
+
+    def row() -> JobRow:
+        failed = states["status"] is Status.FAILED
+        return JobRow(id=job_id, tenant_id=tenant_id, status=states["status"], version=1,
+                      destination_id=uuid.uuid4(), woken_at=now, delivery_key="k", created_by="tests",
+                      final_name=f"contacts-{tenant_id}-k.csv",
+                      failure_reason=FailureCode.NOT_DELIVERED if failed else None,
+                      confirmed_by=None if failed else "correction")
+
+    @activity.defn(name="evaluate_policy")
+    async def evaluate_policy(_: str) -> Evaluation:
+        if not reads:
+            await asyncio.wait_for(first_read.wait(), 30)  # held until the cancellation is in flight
+        reads.append(states["status"])
+        return Evaluation(row=row())
+
+    @activity.defn(name="record_cancellation")
+    async def record_cancellation(request: CancelRequest) -> CancelOutput:
+        await asyncio.wait_for(recording.wait(), 30)  # held while the row settles and is corrected
+        return CancelOutput(result=CancellationResult(request_id=request.request_id, job_id=job_id,
+                                                      outcome=CancellationOutcome.ALREADY_ENDED,
+                                                      found_status=states["status"]))
+
+    queue = f"late-wake-{uuid.uuid4().hex[:8]}"
+    async with Worker(client, task_queue=queue, workflows=[ExportWorkflow],
+                      activities=[evaluate_policy, record_cancellation]):
+        handle = await client.start_workflow(ExportWorkflow.run, ExportInput(job_id=job_id), id=f"export-{job_id}",
+                                             task_queue=queue)
+        await handle.signal("cancel", {"request_id": str(uuid.uuid4()), "tenant": str(tenant_id),
+                                       "operator": "ann@example.com"})
+        first_read.set()  # the run reads Failed, settled, and waits for the cancellation it is recording
+        await eventually(lambda: asyncio.sleep(0, list(reads)), lambda r: r == [Status.FAILED], timeout=10,
+                         what="the first read")
+        states["status"] = Status.COMPLETED  # a correction, whose outbox row wakes the run
+        await handle.signal("wake", Wake(message_id=uuid.uuid4()))
+        recording.set()
+        result = await asyncio.wait_for(handle.result(), 30)
+    assert result.status is Status.COMPLETED, (result, reads)

@@ -62,6 +62,8 @@ _UNCONFIRMED_CLAIM_RETRY = timedelta(seconds=5)
 _BUILD_RESUMPTIONS = 3
 # Runs that started before the delivery returned its row replay the re-read they recorded.
 _ROW_FROM_DELIVERY = "row-from-delivery"
+# Runs that started before a late wake-up was read again replay their return as recorded.
+_WAKE_AFTER_SETTLED = "wake-after-settled"
 _STOP_OUTCOMES = (CancellationOutcome.STOP_REQUESTED, CancellationOutcome.STOP_ALREADY_REQUESTED)
 # A cancellation that found its row locked (Busy) is asked again this many times, this far apart.
 _BUSY_RETRIES = 5
@@ -160,11 +162,24 @@ class ExportWorkflow:
         canceller = asyncio.create_task(self._serve_cancellations())
         job_id = str(request.job_id)
         while True:
+            row = await self._until_settled(job_id)
+            # Requests that arrived meanwhile are still recorded, one record per request ID.
+            await workflow.wait_condition(
+                lambda: not self._cancels and not self._cancel_in_flight and not self._cancel_in_flight_later)
+            # A wake-up after the last read (a reconciliation or a correction, made while this run was still
+            # recording cancellations) would otherwise be lost with this run: read the row again.
+            if not (self._woken and workflow.patched(_WAKE_AFTER_SETTLED)):
+                break
+        canceller.cancel()
+        return ExportResult(job_id=row.id, status=row.status, failure_reason=row.failure_reason)
+
+    async def _until_settled(self, job_id: str) -> JobRow:
+        """Attempts until the row is settled; the settled row."""
+        while True:
             self._woken = False
             delivered, self._delivered_row = self._delivered_row, None
             if delivered is not None and delivered.status.is_settled:
-                row = self._observe(delivered)  # no step needed to read what the delivery just wrote
-                break
+                return self._observe(delivered)  # no step needed to read what the delivery just wrote
             try:
                 evaluation: Evaluation = await workflow.execute_activity(
                     "evaluate_policy", job_id, result_type=Evaluation, summary="read row, evaluate policy",
@@ -177,16 +192,11 @@ class ExportWorkflow:
                 continue
             row = self._observe(evaluation.row)
             if row.status.is_settled:
-                break
+                return row
             if evaluation.allowed and await self._attempt(row):
                 continue
             # Another attempt holds the row, or the claim is unconfirmed: the next wake-up, or a timer, re-reads.
             await self._wait_for_wake()
-        # Requests that arrived meanwhile are still recorded, one record per request ID.
-        await workflow.wait_condition(
-            lambda: not self._cancels and not self._cancel_in_flight and not self._cancel_in_flight_later)
-        canceller.cancel()
-        return ExportResult(job_id=row.id, status=row.status, failure_reason=row.failure_reason)
 
     async def _wait_for_wake(self) -> None:
         try:
