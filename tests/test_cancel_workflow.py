@@ -19,11 +19,35 @@ from temporalio.client import WorkflowExecutionStatus
 from temporalio.worker import Worker
 
 from activities.checkpoints import BUILD_CANCELLED, Checkpoints
-from activities.contracts import CancelOutput, CancelRequest, Evaluation, ExportInput, ExportResult, Wake
+from activities.contracts import (
+    AttemptInput,
+    AuthorizeInput,
+    AuthorizeOutput,
+    BuildOutput,
+    CancelOutput,
+    CancelRequest,
+    ClaimInput,
+    ClaimOutput,
+    DeliverInput,
+    DeliverOutput,
+    Evaluation,
+    ExportInput,
+    ExportResult,
+    Wake,
+)
 from starter.dispatcher import OutboxDispatcher
 from starter.localstack.temporal import temporal_binary
 from store.db import asyncpg_dsn, make_engine
-from store.models import CancellationOutcome, CancellationResult, FailureCode, JobRow, Status
+from store.models import (
+    AuthorizationResult,
+    BuiltFile,
+    CancellationOutcome,
+    CancellationResult,
+    ClaimResult,
+    FailureCode,
+    JobRow,
+    Status,
+)
 from store.reconciliation import correct
 from tests.store_states import drive
 from tests.support import built_files, eventually
@@ -491,3 +515,58 @@ async def test_a_wake_up_while_the_last_cancellation_is_recorded_is_read_before_
         recording.set()
         result = await asyncio.wait_for(handle.result(), 30)
     assert result.status is Status.COMPLETED, (result, reads)
+
+
+async def test_a_wake_up_during_the_delivery_is_read_before_the_run_ends_with_the_row_it_returned(client):
+    """Seen in the chaos run: an export ended OutcomeUnknown and was reconciled at once, while its run was still
+    taking in the delivery's answer. The run ended with the row the delivery returned and dropped the wake-up, so
+    its result and ExportStatus stayed OutcomeUnknown. With stand-ins for the attempt's steps: a wake-up that
+    comes while the delivery runs makes the run read the row again."""
+    job_id, tenant_id = uuid.uuid4(), uuid.uuid4()
+    queue = f"wake-in-delivery-{uuid.uuid4().hex[:8]}"
+    states = {"status": Status.QUEUED}
+    delivering, answer = asyncio.Event(), asyncio.Event()
+
+    def row() -> JobRow:
+        return JobRow(id=job_id, tenant_id=tenant_id, status=states["status"], version=1,
+                      destination_id=uuid.uuid4(), woken_at=datetime.now(timezone.utc), delivery_key="k",
+                      created_by="tests", final_name=f"contacts-{tenant_id}-k.csv",
+                      confirmed_by="reconciliation" if states["status"] is Status.COMPLETED else None)
+
+    @activity.defn(name="evaluate_policy")
+    async def evaluate_policy(_: str) -> Evaluation:
+        return Evaluation(row=row(), allowed=states["status"] is Status.QUEUED)
+
+    @activity.defn(name="claim")
+    async def claim(_: ClaimInput) -> ClaimOutput:
+        states["status"] = Status.RUNNING
+        return ClaimOutput(result=ClaimResult.CLAIMED, worker_task_queue=queue, lease_seconds=30)
+
+    @activity.defn(name="build")
+    async def build(_: AttemptInput) -> BuildOutput:
+        return BuildOutput(file=BuiltFile(path="/nowhere", final_name=row().final_name, size=1, sha256_hex="00"),
+                           worker_task_queue=queue)
+
+    @activity.defn(name="authorize_delivery")
+    async def authorize_delivery(_: AuthorizeInput) -> AuthorizeOutput:
+        states["status"] = Status.DELIVERING
+        return AuthorizeOutput(result=AuthorizationResult.AUTHORIZED)
+
+    @activity.defn(name="deliver")
+    async def deliver(_: DeliverInput) -> DeliverOutput:
+        states["status"] = Status.OUTCOME_UNKNOWN
+        returned = row()  # the row as the terminal write left it
+        delivering.set()
+        await asyncio.wait_for(answer.wait(), 30)  # meanwhile: reconciled, and the run woken
+        return DeliverOutput(outcome=Status.OUTCOME_UNKNOWN, summary="unknown", written=True, row=returned)
+
+    async with Worker(client, task_queue=queue, workflows=[ExportWorkflow],
+                      activities=[evaluate_policy, claim, build, authorize_delivery, deliver]):
+        handle = await client.start_workflow(ExportWorkflow.run, ExportInput(job_id=job_id), id=f"export-{job_id}",
+                                             task_queue=queue)
+        await asyncio.wait_for(delivering.wait(), 30)
+        states["status"] = Status.COMPLETED  # reconciled; its outbox row wakes the run
+        await handle.signal("wake", Wake(message_id=uuid.uuid4()))
+        answer.set()
+        result = await asyncio.wait_for(handle.result(), 30)
+    assert result.status is Status.COMPLETED, result

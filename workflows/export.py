@@ -176,10 +176,12 @@ class ExportWorkflow:
     async def _until_settled(self, job_id: str) -> JobRow:
         """Attempts until the row is settled; the settled row."""
         while True:
-            self._woken = False
             delivered, self._delivered_row = self._delivered_row, None
-            if delivered is not None and delivered.status.is_settled:
-                return self._observe(delivered)  # no step needed to read what the delivery just wrote
+            if delivered is not None and delivered.status.is_settled and not self._woken:
+                # No step needed to read what the delivery just wrote, unless a wake-up came since (a
+                # reconciliation of what it wrote, say): then the row is read again.
+                return self._observe(delivered)
+            self._woken = False
             try:
                 evaluation: Evaluation = await workflow.execute_activity(
                     "evaluate_policy", job_id, result_type=Evaluation, summary="read row, evaluate policy",
