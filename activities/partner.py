@@ -17,7 +17,7 @@ import posixpath
 import re
 import time
 import unicodedata
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal, get_args
 from uuid import UUID
@@ -321,13 +321,20 @@ def _no_key_of_pinned_type(dest: DestinationConfig, pinned: asyncssh.SSHKey) -> 
     return HostKeyMismatch(f"{dest.host}:{dest.port} has no host key of the pinned type ({pinned.get_algorithm()})")
 
 
+async def server_host_key(dest: DestinationConfig, algorithms: Sequence[str] | str,
+                          timeout: float) -> asyncssh.SSHKey | None:
+    """The host key the server presents when only `algorithms` are allowed ("default": any). Trusted for nothing
+    and nothing is authenticated: only the key is read. Raises what the handshake raised."""
+    return await asyncio.wait_for(asyncssh.get_server_host_key(
+        dest.host, dest.port, server_host_key_algs=algorithms, config=[]), timeout)
+
+
 async def _lacks_pinned_key_type(dest: DestinationConfig, pinned: asyncssh.SSHKey, timeout: float) -> bool:
     """Whether the server cuts a handshake that allows only the pinned key's type while it completes one that
-    allows any type with a key of another type. Nothing is trusted or authenticated: only the key is read."""
+    allows any type with a key of another type."""
     async def offered(algorithms: list[str] | str) -> asyncssh.SSHKey | None:
         try:
-            return await asyncio.wait_for(asyncssh.get_server_host_key(
-                dest.host, dest.port, server_host_key_algs=algorithms, config=[]), timeout)
+            return await server_host_key(dest, algorithms, timeout)
         except asyncssh.KeyExchangeFailed as exc:
             return None if "host key" in str(exc).lower() else pinned  # only a refusal of the type counts
         except (asyncssh.ConnectionLost, ConnectionResetError):

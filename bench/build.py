@@ -17,7 +17,7 @@ import asyncpg
 
 from activities.builder import CONTACTS_QUERY
 from bench.stack import postgres_only
-from bench.table import Row
+from bench.table import Row, middle
 from starter.localstack.postgres import ROLES
 from starter.localstack.seed import seed_contacts
 from store.db import asyncpg_dsn
@@ -72,9 +72,9 @@ async def measure(*, contacts: int, rounds: int) -> Row:
                 raise RuntimeError(f"the builder wrote {built['bytes']} bytes, psql {target.stat().st_size}")
             ours.append(built["bytes"] / 1e6 / built["seconds"])
             rss.append((built["rss_kib"] / 1024, built["peak_kib"] / 1024))
-    row = Row("P5", f"CSV build of {contacts:,} contacts", "MB/s", sorted(ours)[rounds // 2],
-              sorted(theirs)[rounds // 2], "psql \\copy (query) to file", ">= 1.0")
-    grown, peak = sorted(rss)[rounds // 2]
+    row = Row("P5", f"CSV build of {contacts:,} contacts", "MB/s", middle(ours),
+              middle(theirs), "psql \\copy (query) to file", ">= 1.0")
+    grown, peak = middle(rss)
     row.notes.append(f"the build grew the process's peak RSS by {grown:.1f} MiB, to {peak:.0f} MiB (goal: at most "
                      "50 MB growth)")
     return row

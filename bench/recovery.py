@@ -15,7 +15,7 @@ import uuid
 import asyncpg
 
 from bench.stack import postgres_only
-from bench.table import Row
+from bench.table import Row, middle
 from starter.localstack.seed import seed_destination
 from store.db import asyncpg_dsn, make_engine
 from store.recovery import Recovery
@@ -91,7 +91,7 @@ async def _measure_one(rows: int, settings: Settings) -> tuple[float, float]:
         await admin.close()
         if taken != DUE:
             raise RuntimeError(f"expected {DUE} takeovers, got {taken}")
-        return recovery_seconds, sorted(sweeps)[SWEEP_ROUNDS // 2]
+        return recovery_seconds, middle(sweeps)
 
 
 async def measure(*, small: int, large: int) -> list[Row]:

@@ -4,12 +4,11 @@ written as JSON."""
 from __future__ import annotations
 
 import json
-import statistics
-import time
-from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -41,15 +40,9 @@ class Row:
         return value >= float(bound) if op == ">=" else value <= float(bound)
 
 
-async def median_of(rounds: int, work: Callable[[], Awaitable[float]]) -> float:
-    """The median of `rounds` results of `work` (each a rate or a duration it measured itself)."""
-    return statistics.median([await work() for _ in range(rounds)])
-
-
-async def seconds_of(work: Callable[[], Awaitable[Any]]) -> float:
-    started = time.perf_counter()
-    await work()
-    return time.perf_counter() - started
+def middle(values: list[T]) -> T:
+    """The median of an odd number of measurements (the middle one: no average of two)."""
+    return sorted(values)[len(values) // 2]
 
 
 def render(rows: list[Row]) -> str:

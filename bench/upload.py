@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 from activities import partner
-from bench.table import Row
+from bench.table import Row, middle
 from tests.openssh_partner import SSHD, OpenSshPartner
 
 MB = 1_000_000
@@ -68,12 +68,8 @@ async def measure(*, megabytes: int, rounds: int) -> Row:
     finally:
         await server.stop()
         shutil.rmtree(folder, ignore_errors=True)
-    return Row("P6", f"{megabytes} MB delivery to sshd on loopback", "MB/s", _median(ours), _median(theirs),
+    return Row("P6", f"{megabytes} MB delivery to sshd on loopback", "MB/s", middle(ours), middle(theirs),
                "OpenSSH sftp put + rename", ">= 1.1")
-
-
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
 
 
 def unavailable() -> str | None:

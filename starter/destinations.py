@@ -199,8 +199,7 @@ async def _offered_host_key(dest: partner.DestinationConfig, pinned: asyncssh.SS
     a server may hold keys of several types."""
     for algorithms in ([pinned.get_algorithm()], ()):
         try:
-            key = await asyncio.wait_for(asyncssh.get_server_host_key(
-                dest.host, dest.port, server_host_key_algs=algorithms, config=[]), timeout)
+            key = await partner.server_host_key(dest, algorithms, timeout)
         except (asyncssh.Error, OSError, ValueError):
             continue
         if key is not None:
