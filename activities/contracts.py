@@ -116,6 +116,19 @@ class ClaimOutput(BaseModel):
     lease_seconds: float
 
 
+class AdmitInput(BaseModel):
+    job_id: UUID
+    attempt_id: UUID  # the claim's, if the row is Queued and policy allows it
+
+
+class Admission(BaseModel):
+    """Policy and the claim in one step: the row as read and the policy decision, then the claim if one was made."""
+
+    evaluation: Evaluation
+    claim: ClaimOutput | None = None
+    attempt: int = 0  # the claimed attempt's number
+
+
 class AttemptInput(BaseModel):
     job: JobRow
     attempt_id: UUID

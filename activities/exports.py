@@ -21,6 +21,8 @@ from activities.contracts import (
     MAX_NAME,
     MAX_REASON,
     TEMPORAL_CANCEL_OPERATOR,
+    Admission,
+    AdmitInput,
     AttemptInput,
     AuthorizeInput,
     AuthorizeOutput,
@@ -40,7 +42,7 @@ from activities.stop_watch import StopWatch
 from store import errors
 from store.db import asyncpg_dsn
 from store.jobs import JobStore
-from store.models import AuthorizationResult, BuiltFile, FailureCode, JobRow, Status
+from store.models import AuthorizationResult, BuiltFile, ClaimResult, FailureCode, JobRow, Status
 from store.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -97,6 +99,7 @@ class ExportActivities:
             self.create_export,
             self.evaluate_policy,
             self.claim,
+            self.claim_if_allowed,
             self.build,
             self.stop_attempt,
             self.authorize_delivery,
@@ -127,8 +130,31 @@ class ExportActivities:
 
     @activity.defn
     async def evaluate_policy(self, job_id: str) -> Evaluation:
+        """Runs of the workflow that began before `claim_if_allowed` existed evaluate and claim in two steps."""
+        return await self._evaluate(_uuid(job_id))
+
+    @activity.defn
+    async def claim(self, request: ClaimInput) -> ClaimOutput:
+        return await self._claim(request.job_id, request.checked_version, request.attempt_id)
+
+    @activity.defn
+    async def claim_if_allowed(self, request: AdmitInput) -> Admission:
+        """Read the row, evaluate policy (its only write is the conditional rejection) and, if allowed, claim at the
+        version read (cutoff 1): two documented statements, one step. A retry whose first try's claim committed
+        finds its attempt in the row; one whose attempt ID a requeue has spent since is Lost."""
+        evaluation = await self._evaluate(request.job_id)
+        row = evaluation.row
+        if row is not None and row.status is Status.RUNNING and row.attempt_id == request.attempt_id:
+            return Admission(evaluation=evaluation, claim=self._claim_output(ClaimResult.CLAIMED),
+                             attempt=row.attempt_count)
+        if row is None or not evaluation.allowed:
+            return Admission(evaluation=evaluation)
+        claim = await self._claim(row.id, row.version, request.attempt_id)
+        return Admission(evaluation=evaluation, claim=claim, attempt=row.attempt_count + 1)
+
+    async def _evaluate(self, job_id: UUID) -> Evaluation:
         """Reads and decides; its only write is the conditional rejection, so a repeated wake-up is harmless."""
-        row = await self.store.read_job(_uuid(job_id))
+        row = await self.store.read_job(job_id)
         if row is None or row.status is not Status.QUEUED:
             return Evaluation(row=row)
         destination = await self.store.read_destination(row.tenant_id, row.destination_id)
@@ -149,14 +175,15 @@ class ExportActivities:
             log.info("export %s rejected at version %s: %s", row.id, row.version, reason)
         return Evaluation(row=await self.store.read_job(row.id), reason=reason)
 
-    @activity.defn
-    async def claim(self, request: ClaimInput) -> ClaimOutput:
-        await self.checkpoints.reached(checkpoints.CLAIM, request.job_id)
-        result = await self.store.claim(request.job_id, request.checked_version, request.attempt_id, self.worker_id)
-        await self.checkpoints.reached(checkpoints.AFTER_CLAIM, request.job_id)
-        return ClaimOutput(
-            result=result, worker_task_queue=self.worker_task_queue, lease_seconds=self.settings.lease_seconds
-        )
+    async def _claim(self, job_id: UUID, checked_version: int, attempt_id: UUID) -> ClaimOutput:
+        await self.checkpoints.reached(checkpoints.CLAIM, job_id)
+        result = await self.store.claim(job_id, checked_version, attempt_id, self.worker_id)
+        await self.checkpoints.reached(checkpoints.AFTER_CLAIM, job_id)
+        return self._claim_output(result)
+
+    def _claim_output(self, result: ClaimResult) -> ClaimOutput:
+        return ClaimOutput(result=result, worker_task_queue=self.worker_task_queue,
+                           lease_seconds=self.settings.lease_seconds)
 
     @activity.defn
     async def record_cancellation(self, request: CancelRequest) -> CancelOutput:

@@ -1,5 +1,10 @@
-"""P1's baseline worker: a workflow that runs N activities that do nothing, one after another, in a process of its
-own like the project's worker.
+"""P1's baseline worker, in a process of its own like the project's worker:
+
+- `NoopWorkflow(n)`: n activities that do nothing, one after another, on the workflow's own task queue;
+- `ShapedNoopWorkflow(shape)`: no-op activities in an export's shape as Temporal sees it: some on the workflow's
+  queue, the rest on a second queue (as the build, cutoff 2 and the delivery run on the building worker's own
+  queue), and the same number of workflow tasks that update a search attribute. What no work at all costs in
+  that shape: the most any export of that shape could reach on the same server.
 
     python -m bench.noop_worker <temporal address> <task queue>
 """
@@ -10,9 +15,26 @@ import asyncio
 import sys
 from datetime import timedelta
 
+from pydantic import BaseModel
 from temporalio import activity, workflow
 from temporalio.client import Client
+from temporalio.common import SearchAttributeKey
+from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
+
+# Registered on the local Temporal server for the exports; any keyword attribute would do.
+_SHOWN = SearchAttributeKey.for_keyword("ExportStatus")
+_TIMEOUT = timedelta(seconds=30)
+
+
+class Shape(BaseModel):
+    on_workflow_queue: int
+    on_own_queue: int
+    search_attribute_updates: int  # workflow tasks that update one
+
+
+def own_queue(task_queue: str) -> str:
+    return f"{task_queue}-own"
 
 
 @activity.defn
@@ -25,13 +47,34 @@ class NoopWorkflow:
     @workflow.run
     async def run(self, activities: int) -> int:
         for _ in range(activities):
-            await workflow.execute_activity(noop, start_to_close_timeout=timedelta(seconds=30))
+            await workflow.execute_activity(noop, start_to_close_timeout=_TIMEOUT)
         return activities
 
 
+@workflow.defn
+class ShapedNoopWorkflow:
+    @workflow.run
+    async def run(self, shape: Shape) -> int:
+        queue = workflow.info().task_queue
+        queues = [queue] * shape.on_workflow_queue + [own_queue(queue)] * shape.on_own_queue
+        updates = shape.search_attribute_updates
+        for step, task_queue in enumerate(queues):
+            await workflow.execute_activity(noop, start_to_close_timeout=_TIMEOUT, task_queue=task_queue)
+            # Each update in the workflow task that follows an activity, the last ones in the final task.
+            if updates and (len(queues) - step <= updates):
+                workflow.upsert_search_attributes([_SHOWN.value_set(f"step {step}")])
+                updates -= 1
+        while updates:
+            workflow.upsert_search_attributes([_SHOWN.value_set(f"update {updates}")])
+            updates -= 1
+        return len(queues)
+
+
 async def main(address: str, task_queue: str) -> None:
-    client = await Client.connect(address)
-    await Worker(client, task_queue=task_queue, workflows=[NoopWorkflow], activities=[noop]).run()
+    client = await Client.connect(address, data_converter=pydantic_data_converter)
+    workflows = [NoopWorkflow, ShapedNoopWorkflow]
+    await asyncio.gather(Worker(client, task_queue=task_queue, workflows=workflows, activities=[noop]).run(),
+                         Worker(client, task_queue=own_queue(task_queue), activities=[noop]).run())
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """P1: exports per second, 200 small exports started at once through Temporal and a real worker process, against
 no-op workflows with as many activities per run as an export took, on the same dev server in the same run.
 
-An export's activity count is read from one export's workflow history, so the baseline follows the project as
-its steps change; it is reported beside the ratio (the goal is at most 4).
+An export's shape is read from one export's workflow history, so the baselines follow the project as its steps
+change: its activity count (reported beside the ratio; the goal is at most 4), and which of them run on the
+building worker's own queue and how many workflow tasks update search attributes. A no-op workflow of that same
+shape is measured too: it says what the shape alone costs the server, the ceiling for any export of that shape.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
+from bench.noop_worker import Shape
 from bench.stack import full_stack
 from bench.table import Row, middle
 from starter.client import ExportsClient
@@ -23,9 +26,24 @@ from store.db import make_engine
 from store.jobs import JobStore
 
 
-async def _activities_of(client: Client, workflow_id: str) -> int:
+async def _shape_of(client: Client, workflow_id: str) -> Shape:
+    """Activities by task queue, and the workflow tasks whose commands update search attributes."""
     history = await client.get_workflow_handle(workflow_id).fetch_history()
-    return sum(e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED for e in history.events)
+    queue = history.events[0].workflow_execution_started_event_attributes.task_queue.name
+    own = shared = updating = 0
+    updated_in_this_task = False
+    for e in history.events:
+        if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
+            updated_in_this_task = False
+        elif e.event_type == EventType.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES and not updated_in_this_task:
+            updated_in_this_task = True
+            updating += 1
+        elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            if e.activity_task_scheduled_event_attributes.task_queue.name == queue:
+                shared += 1
+            else:
+                own += 1
+    return Shape(on_workflow_queue=shared, on_own_queue=own, search_attribute_updates=updating)
 
 
 async def _project(exports: ExportsClient, admin: asyncpg.Connection, tenant: uuid.UUID, destination: uuid.UUID,
@@ -46,9 +64,9 @@ async def _project(exports: ExportsClient, admin: asyncpg.Connection, tenant: uu
         await asyncio.sleep(0.1)
 
 
-async def _baseline(client: Client, task_queue: str, count: int, activities: int) -> float:
+async def _baseline(client: Client, task_queue: str, count: int, workflow: str, argument: object) -> float:
     started = time.perf_counter()
-    handles = await asyncio.gather(*(client.start_workflow("NoopWorkflow", activities, id=f"noop-{uuid.uuid4()}",
+    handles = await asyncio.gather(*(client.start_workflow(workflow, argument, id=f"noop-{uuid.uuid4()}",
                                                            task_queue=task_queue) for _ in range(count)))
     await asyncio.wait_for(asyncio.gather(*(h.result() for h in handles)), 600)
     return count / (time.perf_counter() - started)
@@ -63,17 +81,25 @@ async def measure(*, exports: int, rounds: int) -> Row:
         engine = make_engine(stack.postgres.url("app"))
         client_of_exports = ExportsClient(JobStore(engine, lease_seconds=settings.lease_seconds), client,
                                           task_queue=settings.task_queue)
-        ours, theirs, per_export = [], [], 0
+        ours, theirs, shaped = [], [], []
         try:
             for _ in range(rounds):
                 rate, sample = await _project(client_of_exports, stack.admin, stack.tenant, stack.destination,
                                               exports)
                 ours.append(rate)
-                per_export = await _activities_of(client, f"export-{sample}")
-                theirs.append(await _baseline(client, "bench-noop", exports, per_export))
+                shape = await _shape_of(client, f"export-{sample}")
+                per_export = shape.on_workflow_queue + shape.on_own_queue
+                theirs.append(await _baseline(client, "bench-noop", exports, "NoopWorkflow", per_export))
+                shaped.append(await _baseline(client, "bench-noop", exports, "ShapedNoopWorkflow", shape))
         finally:
             await engine.dispose()
     row = Row("P1", f"exports/s, {exports} small exports at once through Temporal", "/s", middle(ours),
               middle(theirs), f"no-op workflows of {per_export} activities", ">= 0.9")
     row.notes.append(f"{per_export} activities per export (goal: at most 4)")
+    ceiling = middle(shaped)
+    row.notes.append(
+        f"a no-op workflow of the export's shape ({shape.on_workflow_queue} activities on the workflow's queue, "
+        f"{shape.on_own_queue} on a worker's own queue, {shape.search_attribute_updates} workflow tasks updating "
+        f"search attributes) reaches {ceiling:.3g}/s, {ceiling / middle(theirs):.2f} of the baseline: the ceiling "
+        f"of that shape; the project reaches {middle(ours) / ceiling:.2f} of it")
     return row

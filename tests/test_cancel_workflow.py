@@ -20,13 +20,14 @@ from temporalio.worker import Worker
 
 from activities.checkpoints import BUILD_CANCELLED, Checkpoints
 from activities.contracts import (
+    Admission,
+    AdmitInput,
     AttemptInput,
     AuthorizeInput,
     AuthorizeOutput,
     BuildOutput,
     CancelOutput,
     CancelRequest,
-    ClaimInput,
     ClaimOutput,
     DeliverInput,
     DeliverOutput,
@@ -486,12 +487,12 @@ async def test_a_wake_up_while_the_last_cancellation_is_recorded_is_read_before_
                       failure_reason=FailureCode.NOT_DELIVERED if failed else None,
                       confirmed_by=None if failed else "correction")
 
-    @activity.defn(name="evaluate_policy")
-    async def evaluate_policy(_: str) -> Evaluation:
+    @activity.defn(name="claim_if_allowed")
+    async def claim_if_allowed(_: AdmitInput) -> Admission:
         if not reads:
             await asyncio.wait_for(first_read.wait(), 30)  # held until the cancellation is in flight
         reads.append(states["status"])
-        return Evaluation(row=row())
+        return Admission(evaluation=Evaluation(row=row()))
 
     @activity.defn(name="record_cancellation")
     async def record_cancellation(request: CancelRequest) -> CancelOutput:
@@ -502,7 +503,7 @@ async def test_a_wake_up_while_the_last_cancellation_is_recorded_is_read_before_
 
     queue = f"late-wake-{uuid.uuid4().hex[:8]}"
     async with Worker(client, task_queue=queue, workflows=[ExportWorkflow],
-                      activities=[evaluate_policy, record_cancellation]):
+                      activities=[claim_if_allowed, record_cancellation]):
         handle = await client.start_workflow(ExportWorkflow.run, ExportInput(job_id=job_id), id=f"export-{job_id}",
                                              task_queue=queue)
         await handle.signal("cancel", {"request_id": str(uuid.uuid4()), "tenant": str(tenant_id),
@@ -533,14 +534,14 @@ async def test_a_wake_up_during_the_delivery_is_read_before_the_run_ends_with_th
                       created_by="tests", final_name=f"contacts-{tenant_id}-k.csv",
                       confirmed_by="reconciliation" if states["status"] is Status.COMPLETED else None)
 
-    @activity.defn(name="evaluate_policy")
-    async def evaluate_policy(_: str) -> Evaluation:
-        return Evaluation(row=row(), allowed=states["status"] is Status.QUEUED)
-
-    @activity.defn(name="claim")
-    async def claim(_: ClaimInput) -> ClaimOutput:
+    @activity.defn(name="claim_if_allowed")
+    async def claim_if_allowed(_: AdmitInput) -> Admission:
+        evaluation = Evaluation(row=row(), allowed=states["status"] is Status.QUEUED)
+        if not evaluation.allowed:
+            return Admission(evaluation=evaluation)
         states["status"] = Status.RUNNING
-        return ClaimOutput(result=ClaimResult.CLAIMED, worker_task_queue=queue, lease_seconds=30)
+        return Admission(evaluation=evaluation, attempt=1, claim=ClaimOutput(
+            result=ClaimResult.CLAIMED, worker_task_queue=queue, lease_seconds=30))
 
     @activity.defn(name="build")
     async def build(_: AttemptInput) -> BuildOutput:
@@ -561,7 +562,7 @@ async def test_a_wake_up_during_the_delivery_is_read_before_the_run_ends_with_th
         return DeliverOutput(outcome=Status.OUTCOME_UNKNOWN, summary="unknown", written=True, row=returned)
 
     async with Worker(client, task_queue=queue, workflows=[ExportWorkflow],
-                      activities=[evaluate_policy, claim, build, authorize_delivery, deliver]):
+                      activities=[claim_if_allowed, build, authorize_delivery, deliver]):
         handle = await client.start_workflow(ExportWorkflow.run, ExportInput(job_id=job_id), id=f"export-{job_id}",
                                              task_queue=queue)
         await asyncio.wait_for(delivering.wait(), 30)

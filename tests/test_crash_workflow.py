@@ -26,8 +26,8 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.contracts import (
     AttemptInput,
     BuildOutput,
+    Admission,
     ClaimOutput,
-    Evaluation,
     ExportResult,
     RecoveryInput,
     RecoveryReport,
@@ -158,7 +158,7 @@ class ActivityRun:
 
 
 _INPUTS = {"build": AttemptInput}
-_RESULTS = {"build": BuildOutput, "claim": ClaimOutput, "evaluate_policy": Evaluation}
+_RESULTS = {"build": BuildOutput, "claim_if_allowed": Admission}
 
 
 async def activity_runs(h: Harness, job_id: uuid.UUID) -> list[ActivityRun]:
@@ -195,6 +195,11 @@ async def activity_runs(h: Harness, job_id: uuid.UUID) -> list[ActivityRun]:
         elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_CANCELED:
             runs[e.activity_task_canceled_event_attributes.scheduled_event_id].outcome = "canceled"
     return list(runs.values())
+
+
+def claims(runs: list[ActivityRun]) -> list[ClaimOutput]:
+    """The claims the policy-and-claim steps made (a step that found nothing to claim made none)."""
+    return [r.result.claim for r in named(runs, "claim_if_allowed") if r.result is not None and r.result.claim]
 
 
 def named(runs: list[ActivityRun], name: str) -> list[ActivityRun]:
@@ -328,7 +333,7 @@ async def test_job_that_kills_its_worker_every_attempt_ends_failed_at_the_cap(db
     assert len(evts) == 6
     assert partner_files(h) == []
     runs = await activity_runs(h, job_id)
-    assert len(named(runs, "claim")) == 2 and not named(runs, "authorize_delivery")
+    assert len(claims(runs)) == 2 and not named(runs, "authorize_delivery")
     # Each dead build was resumed by the next worker, and each resumption's renewal matched nothing.
     builds = named(runs, "build")
     assert [(b.input.attempt_id, b.outcome) for b in builds] == [
@@ -357,7 +362,7 @@ async def test_crash_after_receipt_before_terminal_write__recovery_records_compl
         # The survivor sees the dead delivery time out and leaves the row to recovery: it stays Delivering.
         await eventually(lambda: activity_runs(h, job_id),
                          lambda runs: [d.outcome for d in named(runs, "deliver")] == ["timed_out"]
-                         and runs[-1].name == "evaluate_policy" and runs[-1].outcome == "completed",
+                         and runs[-1].name == "claim_if_allowed" and runs[-1].outcome == "completed",
                          timeout=30, interval=0.2, what="the lost delivery seen by the workflow")
         assert (await h.store.read_job(job_id)).status is Status.DELIVERING
         report = await asyncio.wait_for(run_recovery(h.client, h.settings), timeout=30)
@@ -402,11 +407,11 @@ def cut_then_refuse(proxy: PgFaultProxy, fired: asyncio.Event) -> asyncio.Event:
 
 async def claim_answered(h: Harness, job_id: uuid.UUID) -> ClaimOutput:
     runs = await eventually(lambda: activity_runs(h, job_id),
-                            lambda runs: any(r.name == "claim" and r.outcome for r in runs),
+                            lambda runs: any(r.name == "claim_if_allowed" and r.outcome for r in runs),
                             timeout=30, interval=0.1, what="the first claim answered")
-    first = named(runs, "claim")[0]
-    assert first.outcome == "completed", first
-    return first.result
+    first = named(runs, "claim_if_allowed")[0]
+    assert first.outcome == "completed" and first.result.claim is not None, first
+    return first.result.claim
 
 
 @pytest.mark.spec("LR3")
@@ -433,8 +438,7 @@ async def test_claim_lost_before_commit_and_reread_refused__wakeup_comes_again_a
     assert {e["attempt_id"] for e in evts} == {row.attempt_id}
     assert partner_files(h) == [row.final_name]
     runs = await activity_runs(h, job_id)
-    claims = named(runs, "claim")
-    assert [c.result.result for c in claims] == [ClaimResult.UNKNOWN, ClaimResult.CLAIMED]
+    assert [c.result for c in claims(runs)] == [ClaimResult.UNKNOWN, ClaimResult.CLAIMED]
     assert len(named(runs, "build")) == 1 and len(named(runs, "deliver")) == 1
 
 
@@ -458,11 +462,11 @@ async def test_claim_lost_after_commit_and_reread_refused__wakeup_finds_running_
         # The repeated wake-up reads the row, finds it Running, and does nothing: no claim, no build.
         runs = await eventually(
             lambda: activity_runs(h, job_id),
-            lambda runs: len(named(runs, "evaluate_policy")) == 2 and runs[-1].outcome == "completed",
+            lambda runs: len(named(runs, "claim_if_allowed")) == 2 and runs[-1].outcome == "completed",
             timeout=30, interval=0.2, what="the repeated wake-up")
-        assert runs[-1].name == "evaluate_policy" and runs[-1].result.row.status is Status.RUNNING
-        assert not runs[-1].result.allowed
-        assert len(named(runs, "claim")) == 1 and not named(runs, "build")
+        assert runs[-1].result.evaluation.row.status is Status.RUNNING
+        assert not runs[-1].result.evaluation.allowed and runs[-1].result.claim is None
+        assert len(claims(runs)) == 1 and not named(runs, "build")
 
         # Nobody renews the attempt's lease; once it expires, recovery takes the attempt over.
         await wait_lease_expired(h, job_id)
@@ -477,7 +481,7 @@ async def test_claim_lost_after_commit_and_reread_refused__wakeup_finds_running_
                                               "Finished"]
     assert partner_files(h) == [row.final_name]
     runs = await activity_runs(h, job_id)
-    assert [c.result.result for c in named(runs, "claim")] == [ClaimResult.UNKNOWN, ClaimResult.CLAIMED]
+    assert [c.result for c in claims(runs)] == [ClaimResult.UNKNOWN, ClaimResult.CLAIMED]
     assert [b.input.attempt_id for b in named(runs, "build")] == [row.attempt_id]
     assert len(named(runs, "deliver")) == 1
 

@@ -118,8 +118,9 @@ async def test_workflow__one_export_runs_every_step_as_an_activity(db, client, t
         history = await harness.client.get_workflow_handle(f"export-{job_id}").fetch_history()
         activities = [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
                       if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
-        # The delivery returns the row its terminal write left, so no step re-reads it afterwards.
-        assert activities == ["evaluate_policy", "claim", "build", "authorize_delivery", "deliver"]
+        # Policy and the claim are one step, and the delivery returns the row its terminal write left, so no step
+        # re-reads it afterwards: four activities.
+        assert activities == ["claim_if_allowed", "build", "authorize_delivery", "deliver"]
         assert not list(Path(harness.settings.work_dir).glob("*.csv*")), "the local file was not removed"
     # Each step's row write is its documented statement, exactly as its file says: creation (the starter), the
     # claim, the renewal (build), cutoff 2, the delivery's evidence and its terminal write; and nothing else
@@ -251,7 +252,7 @@ async def test_dispatcher__one_row_published_twice_wakes_the_workflow_once(quiet
     harness = quiet_harness  # its worker runs no dispatcher; the test's own dispatcher publishes
     job_id = await harness.store_create()
     # The row is Running under an attempt the test claimed: the workflow cannot claim, so it evaluates, then
-    # waits for a wake-up. Each wake-up it takes is one more evaluate_policy.
+    # waits for a wake-up. Each wake-up it takes is one more claim_if_allowed.
     assert await harness.store.claim(job_id, 1, uuid.uuid4(), "test-holder") is ClaimResult.CLAIMED
     handle = harness.client.get_workflow_handle(f"export-{job_id}")
 
@@ -276,13 +277,13 @@ async def test_dispatcher__one_row_published_twice_wakes_the_workflow_once(quiet
                 "SELECT message_id FROM outbox WHERE job_id = $1 AND published_at IS NULL", job_id)
             assert message_id is not None
             events = await eventually(history, idle, timeout=PUBLISH_BOUND, what="the workflow waiting")
-            assert (scheduled(events, "evaluate_policy"), wake_ids(events)) == (1, [str(message_id)])
+            assert (scheduled(events, "claim_if_allowed"), wake_ids(events)) == (1, [str(message_id)])
 
             assert await dispatch(dispatcher) == 1  # the same row, the same message ID, again
             events = await eventually(history, lambda es: signals_processed(es) == 2, timeout=PUBLISH_BOUND,
                                       what="the duplicate wake-up processed")
             assert wake_ids(events) == [str(message_id)] * 2
-            evaluations = scheduled(events, "evaluate_policy")
+            evaluations = scheduled(events, "claim_if_allowed")
             assert evaluations == 1, "the duplicate publication woke the workflow"
 
             # The control: a different outbox row for the same export wakes it once more.
@@ -292,7 +293,7 @@ async def test_dispatcher__one_row_published_twice_wakes_the_workflow_once(quiet
             events = await eventually(history, lambda es: signals_processed(es) == 3, timeout=PUBLISH_BOUND,
                                       what="the second row's wake-up processed")
             assert len(set(wake_ids(events))) == 2
-            evaluations = scheduled(events, "evaluate_policy")
+            evaluations = scheduled(events, "claim_if_allowed")
             assert evaluations == 2, "a new row did not wake the workflow"
             assert await db.admin.fetchval(
                 "SELECT count(*) FROM outbox WHERE job_id = $1 AND published_at IS NULL", job_id) == 0

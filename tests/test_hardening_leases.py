@@ -41,8 +41,8 @@ from tests.workflow_support import Harness, WorkerProcess, held_at, run_recovery
 
 
 class LoseClaimResponseOnce(Checkpoints):
-    """After the first claim commits, recovery requeues the job and then the claim activity fails, as when its
-    worker dies after the commit: Temporal retries the claim with the same attempt ID."""
+    """After the first claim commits, recovery requeues the job and then the claim's activity fails, as when its
+    worker dies after the commit: Temporal retries the step with the same attempt ID."""
 
     def __init__(self) -> None:
         self.h: Harness | None = None
@@ -79,7 +79,7 @@ async def test_claim_retried_after_a_requeue_is_lost_and_the_next_attempt_delive
         # The spent attempt holds its claim and the requeue, and nothing else was ever written for it.
         assert [k for k in kinds(found, first) if k != "DeliveryEvidence"] == ["Claimed", "RequeuedByRecovery"]
         assert kinds(found, row.attempt_id)[0] == "Claimed" and kinds(found, row.attempt_id)[-1] == "Finished"
-        claims = [result for name, result in await history(h, job_id) if name == "claim"]
+        claims = [result["claim"] for name, result in await history(h, job_id) if name == "claim_if_allowed"]
         assert [c["result"] for c in claims] == [ClaimResult.LOST.value, ClaimResult.CLAIMED.value]
         assert_partner_holds_only(h, row)
 

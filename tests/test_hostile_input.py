@@ -85,7 +85,7 @@ async def test_a_step_the_store_refuses_for_good_ends_at_once_and_the_workflow_w
 
     async def failures():
         try:
-            return failed_attempts(await handle.fetch_history(), "evaluate_policy")
+            return failed_attempts(await handle.fetch_history(), "claim_if_allowed")
         except RPCError:
             return []  # the dispatcher has not started the workflow yet
 

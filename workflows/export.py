@@ -1,6 +1,6 @@
 """ExportWorkflow: one per export (ID `export-<job id>`), the Temporal form of the reference design's runner.
 
-It reads the row, evaluates policy, claims (cutoff 1), builds, authorizes (cutoff 2) and delivers, each an
+It reads the row, evaluates policy and claims (cutoff 1) in one step, builds, authorizes (cutoff 2) and delivers, each an
 activity that commits the documented conditional statement. It decides only from the row, never from Temporal's
 own state, and returns the row's state once it needs no attempt.
 """
@@ -22,6 +22,8 @@ with workflow.unsafe.imports_passed_through():
 
     from activities.contracts import (
         TEMPORAL_CANCEL_OPERATOR,
+        Admission,
+        AdmitInput,
         AttemptInput,
         AuthorizeInput,
         AuthorizeOutput,
@@ -64,6 +66,8 @@ _BUILD_RESUMPTIONS = 3
 _ROW_FROM_DELIVERY = "row-from-delivery"
 # Runs that started before a late wake-up was read again replay their return as recorded.
 _WAKE_AFTER_SETTLED = "wake-after-settled"
+# Runs that started before policy and the claim became one step replay them as two.
+_POLICY_AND_CLAIM = "policy-and-claim"
 _STOP_OUTCOMES = (CancellationOutcome.STOP_REQUESTED, CancellationOutcome.STOP_ALREADY_REQUESTED)
 # A cancellation that found its row locked (Busy) is asked again this many times, this far apart.
 _BUSY_RETRIES = 5
@@ -182,23 +186,56 @@ class ExportWorkflow:
                 # reconciliation of what it wrote, say): then the row is read again.
                 return self._observe(delivered)
             self._woken = False
-            try:
-                evaluation: Evaluation = await workflow.execute_activity(
-                    "evaluate_policy", job_id, result_type=Evaluation, summary="read row, evaluate policy",
-                    **_SHORT
-                )
-            except ActivityError as err:
-                # Ended visibly (its failure is in the history); the row is read again at the next wake-up.
-                workflow.logger.warning("reading export %s failed: %s; waiting for the row", job_id, _cause(err))
-                await self._wait_for_wake()
-                continue
-            row = self._observe(evaluation.row)
-            if row.status.is_settled:
-                return row
-            if evaluation.allowed and await self._attempt(row):
-                continue
-            # Another attempt holds the row, or the claim is unconfirmed: the next wake-up, or a timer, re-reads.
+            if workflow.patched(_POLICY_AND_CLAIM):
+                settled = await self._admit_and_attempt(job_id)
+            else:
+                settled = await self._evaluate_then_attempt(job_id)
+            if settled is not None:
+                return settled
+
+    async def _admit_and_attempt(self, job_id: str) -> JobRow | None:
+        """Policy and the claim in one step, then the attempt. The settled row, or None to read the row again."""
+        attempt_id = workflow.uuid4()
+        try:
+            admission: Admission = await workflow.execute_activity(
+                "claim_if_allowed", AdmitInput(job_id=job_id, attempt_id=attempt_id), result_type=Admission,
+                summary="read row, evaluate policy, claim", **_SHORT
+            )
+        except ActivityError as err:
+            # Ended visibly (its failure is in the history); the row is read again at the next wake-up.
+            workflow.logger.warning("reading or claiming export %s failed: %s; waiting for the row", job_id,
+                                    _cause(err))
             await self._wait_for_wake()
+            return None
+        claim = admission.claim
+        # A claimed row is shown as Running at once: its Queued would be one more search attribute update.
+        row = self._observe(admission.evaluation.row,
+                            show=claim is None or claim.result is not ClaimResult.CLAIMED)
+        if row.status.is_settled:
+            return row
+        if claim is not None and await self._claimed(row, attempt_id, claim, admission.attempt):
+            return None
+        # Another attempt holds the row, or the claim is unconfirmed: the next wake-up, or a timer, re-reads.
+        await self._wait_for_wake()
+        return None
+
+    async def _evaluate_then_attempt(self, job_id: str) -> JobRow | None:
+        try:
+            evaluation: Evaluation = await workflow.execute_activity(
+                "evaluate_policy", job_id, result_type=Evaluation, summary="read row, evaluate policy",
+                **_SHORT
+            )
+        except ActivityError as err:
+            workflow.logger.warning("reading export %s failed: %s; waiting for the row", job_id, _cause(err))
+            await self._wait_for_wake()
+            return None
+        row = self._observe(evaluation.row)
+        if row.status.is_settled:
+            return row
+        if evaluation.allowed and await self._attempt(row):
+            return None
+        await self._wait_for_wake()
+        return None
 
     async def _wait_for_wake(self) -> None:
         try:
@@ -206,12 +243,13 @@ class ExportWorkflow:
         except asyncio.TimeoutError:
             pass
 
-    def _observe(self, row: JobRow | None) -> JobRow:
+    def _observe(self, row: JobRow | None, *, show: bool = True) -> JobRow:
         if row is None:
             raise ApplicationError("no export with this ID", type="ExportNotFound", non_retryable=True)
         self._row = row
         self._request_stop_for_temporal_cancel()
-        self._show(row.status, row.attempt_count)
+        if show:
+            self._show(row.status, row.attempt_count)
         return row
 
     def _describe(self, status: Status | None = None, attempts: int | None = None) -> None:
@@ -272,6 +310,11 @@ class ExportWorkflow:
         except ActivityError as err:
             workflow.logger.warning("claim of %s failed: %s; the row decides", row.id, _cause(err))
             claim = ClaimOutput(result=ClaimResult.UNKNOWN, worker_task_queue="", lease_seconds=0)
+        return await self._claimed(row, attempt_id, claim, row.attempt_count + 1)
+
+    async def _claimed(self, row: JobRow, attempt_id: uuid.UUID, claim: ClaimOutput, attempt_number: int) -> bool:
+        """The attempt after its claim answered: to its terminal write if claimed. True when the row should be
+        re-read at once."""
         if claim.result is ClaimResult.UNKNOWN:
             # Like an unsettled message: it comes back later, and the row decides then.
             await workflow.sleep(_UNCONFIRMED_CLAIM_RETRY)
@@ -281,7 +324,7 @@ class ExportWorkflow:
             # edit writes one), which may already have arrived.
             return False
 
-        self._show(Status.RUNNING, row.attempt_count + 1)
+        self._show(Status.RUNNING, attempt_number)
         lease = timedelta(seconds=claim.lease_seconds)
         attempt = AttemptInput(job=row, attempt_id=attempt_id)
         built = await self._build_file(attempt, claim.worker_task_queue, lease)
@@ -310,7 +353,7 @@ class ExportWorkflow:
             return True  # cutoff 2 may or may not have committed: the row says which side the attempt is on
         if authorized.result is not AuthorizationResult.AUTHORIZED:
             return True
-        self._show(Status.DELIVERING, row.attempt_count + 1)
+        self._show(Status.DELIVERING, attempt_number)
         try:
             delivered: DeliverOutput = await workflow.execute_activity(
                 "deliver",
