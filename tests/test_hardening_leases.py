@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from activities.checkpoints import AFTER_CLAIM, BEFORE_CUTOFF_2, BEFORE_UPLOAD, Checkpoints
-from store.models import AuthorizationResult, CancellationOutcome, ClaimResult, FailureCode, Status
+from store.models import AuthorizationResult, CancellationOutcome, ClaimResult, FailureCode, JobRow, Status
 from tests.store_states import built_file
 from tests.support import create_job, delivery_evidence, eventually, seed_tenant
 from tests.test_crash_workflow import crash_world, forget_dead_worker, processes
@@ -59,19 +59,26 @@ class LoseClaimResponseOnce(Checkpoints):
         raise RuntimeError("the claim's worker died after its commit (injected)")
 
 
+async def settled_with(stack: AsyncExitStack, checkpoints: Checkpoints, db, store, client,
+                       tmp_path: Path) -> tuple[Harness, uuid.UUID, JobRow]:
+    """One export through a worker whose checkpoints inject a fault; its settled row."""
+    h = await start(stack, db, store, client, tmp_path, hold=None)
+    if isinstance(checkpoints, LoseClaimResponseOnce):
+        checkpoints.h = h  # it runs recovery itself
+    h.activities.checkpoints = checkpoints
+    job_id = await h.create()
+    # Bounded well below the harness's own wait: a claim that retries without end fails here.
+    await eventually(lambda: h.store.read_job(job_id), lambda r: r is not None and r.status.is_settled,
+                     timeout=BOUND, interval=0.2, what="the export settled")
+    assert getattr(checkpoints, "fired"), "the fault was not injected"
+    return h, job_id, await h.settled(job_id)
+
+
 @pytest.mark.spec("LK2")
 async def test_claim_retried_after_a_requeue_is_lost_and_the_next_attempt_delivers_once(db, store, client, tmp_path):
     async with AsyncExitStack() as stack:
         lose = LoseClaimResponseOnce()
-        h = await start(stack, db, store, client, tmp_path, hold=None)
-        lose.h = h
-        h.activities.checkpoints = lose
-        job_id = await h.create()
-        # Bounded well below the harness's own wait: a claim that retries without end fails here.
-        row = await eventually(lambda: h.store.read_job(job_id), lambda r: r is not None and r.status.is_settled,
-                               timeout=BOUND, interval=0.2, what="the export settled")
-        assert lose.fired
-        row = await h.settled(job_id)
+        h, job_id, row = await settled_with(stack, lose, db, store, client, tmp_path)
         assert row.status is Status.COMPLETED and row.attempt_count == 2
         found = await events(db, job_id)
         first = next(e["attempt_id"] for e in found if e["kind"] == "Claimed")
@@ -83,6 +90,32 @@ async def test_claim_retried_after_a_requeue_is_lost_and_the_next_attempt_delive
         assert [c["result"] for c in claims] == [ClaimResult.LOST.value, ClaimResult.CLAIMED.value]
         assert_partner_holds_only(h, row)
 
+
+
+class FailAfterClaimOnce(Checkpoints):
+    """The policy-and-claim step fails once right after its claim commits, as when its answer is lost: Temporal
+    retries the step with the same attempt ID, and nothing requeues the row meanwhile."""
+
+    def __init__(self) -> None:
+        self.fired = False
+
+    async def reached(self, name: str, job_id: uuid.UUID) -> None:
+        if name == AFTER_CLAIM and not self.fired:
+            self.fired = True
+            raise RuntimeError("the claim's answer was lost after its commit (injected)")
+
+
+@pytest.mark.spec("LK2")
+async def test_claim_retried_after_its_own_commit_finds_its_attempt_and_delivers_once(db, store, client, tmp_path):
+    async with AsyncExitStack() as stack:
+        h, job_id, row = await settled_with(stack, FailAfterClaimOnce(), db, store, client, tmp_path)
+        # One attempt: the retry found its own claim in the row, and no lease had to lapse for recovery.
+        assert row.status is Status.COMPLETED and row.attempt_count == 1
+        assert [k for k in kinds(await events(db, job_id), row.attempt_id) if k != "DeliveryEvidence"] == [
+            "Claimed", "BuildStarted", "DeliveryAuthorized", "Finished"]
+        steps = [(name, result) for name, result in await history(h, job_id) if name == "claim_if_allowed"]
+        assert [result["claim"]["result"] for _, result in steps] == [ClaimResult.CLAIMED.value]
+        assert_partner_holds_only(h, row)
 
 # --- LK1: the lease is kept without a gap from the claim to the terminal write -----------------------------------
 
