@@ -3,12 +3,13 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench clean
+.PHONY: run test bench lock clean
 
-$(STAMP): pyproject.toml
+# Every install is constrained by the lock file: the versions tested are the versions run (the image uses it too).
+$(STAMP): pyproject.toml requirements/lock.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e '.[test]'
+	$(VENV)/bin/pip install --quiet -c requirements/lock.txt -e '.[test,local]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -19,6 +20,12 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/python -m bench.run $(BENCH_ARGS)
+
+# After a change to the dependencies in pyproject.toml: resolve them all again, runtime and extras, to exact versions.
+lock: $(STAMP)
+	$(VENV)/bin/pip install --quiet pip-tools
+	CUSTOM_COMPILE_COMMAND="make lock" $(VENV)/bin/pip-compile --quiet --upgrade --strip-extras --no-emit-index-url \
+		--no-emit-find-links --extra local --extra test --extra otlp --output-file requirements/lock.txt pyproject.toml
 
 clean:
 	rm -rf $(VENV) .exports

@@ -25,13 +25,14 @@ from pathlib import Path
 from temporalio.client import Client
 from temporalio.worker import Worker
 
+from activities import endpoint, tracing
 from activities.checkpoints import checkpoints_for
 from activities.exports import ExportActivities
 from activities.interceptors import ClassifyStoreErrors
 from activities.recovery import RecoveryActivities
 from activities.scavenger import keep_scavenging, scavenge
 from starter.dispatcher import OutboxDispatcher
-from starter.temporal import CONNECT_TIMEOUT_SECONDS, Unreachable, connect_temporal
+from starter.temporal import CONNECT_TIMEOUT_SECONDS, NotConfigured, Unreachable, connect_temporal
 from store import errors
 from store.db import asyncpg_dsn, make_engine
 from store.jobs import JobStore
@@ -52,7 +53,8 @@ async def running_worker(
     settings: Settings, client: Client, *, with_dispatcher: bool = True
 ) -> AsyncIterator[ExportActivities]:
     """The worker's pollers (and dispatcher) run while the context is open; closing it shuts them down."""
-    engine = make_engine(settings.database_url)
+    engine = make_engine(settings.database_url, pool_size=settings.database_pool_size,
+                         max_overflow=settings.database_max_overflow)
     store = JobStore(
         engine,
         lease_seconds=settings.lease_seconds,
@@ -90,7 +92,8 @@ async def running_worker(
     try:
         async with shared, own:
             if with_dispatcher:
-                dispatcher_engine = make_engine(settings.dispatcher_database_url, pool_size=2)
+                dispatcher_engine = make_engine(settings.dispatcher_database_url, pool_size=settings.dispatcher_pool_size,
+                                                max_overflow=settings.dispatcher_max_overflow)
                 dispatcher = OutboxDispatcher(
                     client,
                     dispatcher_engine,
@@ -125,11 +128,14 @@ async def running_worker(
 
 async def connect_when_reachable(settings: Settings, stopping: asyncio.Event) -> Client | None:
     """Temporal, once it answers: a worker started during an outage waits, one line per try, backing off to 30 s,
-    and never exits for it. None if asked to stop meanwhile."""
+    and never exits for it. None if asked to stop meanwhile. Settings that name no usable connection (a malformed
+    address, an unknown profile) are `NotConfigured`, raised at once: waiting cannot mend them."""
     delay = 1.0
     while not stopping.is_set():
         try:
             return await connect_temporal(settings, timeout=CONNECT_TIMEOUT_SECONDS)
+        except NotConfigured:
+            raise
         except Unreachable as exc:
             log.warning("%s; trying again in %.0f s", exc, delay)
         try:
@@ -146,13 +152,18 @@ async def main() -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stopping.set)
+    # Before the client connects: the SDK's metrics live in the runtime a client is created with.
+    observing = await endpoint.start(settings, stopping)
+    tracing.configure(settings)
     # Nothing at start assumes PostgreSQL answers either: the scavenger, the dispatcher and every step retry.
     client = await connect_when_reachable(settings, stopping)
     if client is not None:
-        async with running_worker(settings, client):
+        async with running_worker(settings, tracing.traced(client, settings)):
+            observing.polling = True  # /readyz: 200 from here until SIGTERM
             await stopping.wait()
             # An upload ignores its cancellation, so the SDK's shutdown could wait for it: bound the exit.
             loop.call_later(settings.shutdown_grace_seconds + 5, _exit_past_the_bound)
+    await observing.close()
     log.info("worker stopped")
 
 
@@ -176,7 +187,12 @@ class OneLineFailures(logging.Filter):
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(OneLineFailures())
-    asyncio.run(main())
+    from starter.logs import configure_logging, settings_or_exit
+
+    # EXPORTS_LOG_FORMAT / EXPORTS_LOG_LEVEL; a malformed setting is one line and exit status 2.
+    configure_logging(settings_or_exit(get_settings)).addFilter(OneLineFailures())
+    try:
+        asyncio.run(main())
+    except NotConfigured as exc:
+        log.error("%s", exc)
+        raise SystemExit(2) from None

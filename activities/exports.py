@@ -15,7 +15,7 @@ import asyncssh
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities import checkpoints, partner
+from activities import checkpoints, metrics, partner
 from activities.builder import BuildError, build_contacts_csv, remove_local_file, size_and_sha256
 from activities.contracts import (
     MAX_NAME,
@@ -172,6 +172,7 @@ class ExportActivities:
             else:
                 return Evaluation(row=row, allowed=True)
         if await self.store.reject(row.id, row.version, reason[:MAX_REASON]):
+            metrics.ended(Status.REJECTED, True)
             log.info("export %s rejected at version %s: %s", row.id, row.version, reason)
         return Evaluation(row=await self.store.read_job(row.id), reason=reason)
 
@@ -300,18 +301,20 @@ class ExportActivities:
                 if refusal is not None:
                     code, why = refusal
                     async with lease.terminal_write():
-                        await self.store.finish_failed(job.id, attempt_id, code, why, holder=holder)
+                        metrics.ended(Status.FAILED, await self.store.finish_failed(job.id, attempt_id, code, why,
+                                                                                    holder=holder))
                     return BuildOutput(ended=code.value)
                 try:
                     async with StopWatch(self.store, asyncpg_dsn(self.settings.database_url), job.id, attempt_id,
-                                         on_stop):
+                                         metrics.timed_stop(job.id, attempt_id, on_stop)):
                         if reused and path.exists():
                             size, sha256_hex = await asyncio.to_thread(size_and_sha256, path)
                             log.info("export %s attempt %s: delivering the file an earlier build finished (%d "
                                      "bytes)", job.id, attempt_id, size)
                         else:
                             await self.checkpoints.reached(checkpoints.BUILD_STARTED, job.id)
-                            size, sha256_hex = await self._build_with_room(job, attempt_id, path, progress)
+                            size, sha256_hex = await metrics.timed_build(
+                                self._build_with_room(job, attempt_id, path, progress))
                 except asyncio.CancelledError:
                     # The stop watcher and the workflow's cancel of this activity may both fire: the second cancel
                     # must not cut off the stop's write halfway, so the write runs to its end.
@@ -323,8 +326,8 @@ class ExportActivities:
                 except BuildError as exc:
                     log.error("build of %s attempt %s failed: %s", job.id, attempt_id, exc)
                     async with lease.terminal_write():
-                        await self.store.finish_failed(job.id, attempt_id, FailureCode.BUILD_FAILED, str(exc),
-                                                       holder=holder)
+                        metrics.ended(Status.FAILED, await self.store.finish_failed(
+                            job.id, attempt_id, FailureCode.BUILD_FAILED, str(exc), holder=holder))
                     return BuildOutput(ended="BuildFailed")
             self._hand_over(lease)
             handed_over = True
@@ -390,6 +393,7 @@ class ExportActivities:
         # this attempt's; anything else leaves the row for recovery, or, for a shutdown, for the workflow to
         # resume the build elsewhere at once (HandedBack), its lease ended so that nothing waits it out.
         if await self.store.finish_stopped(job_id, attempt_id, "WhileBuilding", holder=holder):
+            metrics.stopped_while_building(job_id, attempt_id)
             return BuildOutput(ended="Stopped")
         if shutting_down:
             try:
@@ -426,7 +430,8 @@ class ExportActivities:
     @activity.defn
     async def stop_attempt(self, request: AttemptInput) -> bool:
         """A stop recorded while no build runs for the attempt: the conditional Running -> Stopped."""
-        return await self.store.finish_stopped(request.job.id, request.attempt_id, "BeforeBuild")
+        return metrics.ended(Status.STOPPED, await self.store.finish_stopped(request.job.id, request.attempt_id,
+                                                                             "BeforeBuild"))
 
     @activity.defn
     async def authorize_delivery(self, request: AuthorizeInput) -> AuthorizeOutput:
@@ -448,11 +453,12 @@ class ExportActivities:
                 raise
             if result is AuthorizationResult.STOP_RECORDED:
                 async with lease.terminal_write():
-                    await self.store.finish_stopped(job.id, attempt_id, "BeforeDelivery", holder=file.holder)
+                    metrics.ended(Status.STOPPED, await self.store.finish_stopped(
+                        job.id, attempt_id, "BeforeDelivery", holder=file.holder))
             elif result is AuthorizationResult.ORIGINAL_COMPLETED:
                 async with lease.terminal_write():
-                    await self.store.finish_failed(job.id, attempt_id, FailureCode.ORIGINAL_DELIVERED,
-                                                   holder=file.holder)
+                    metrics.ended(Status.FAILED, await self.store.finish_failed(
+                        job.id, attempt_id, FailureCode.ORIGINAL_DELIVERED, holder=file.holder))
             # LeaseLapsed again, NotOwner or Unknown: write nothing to the row; recovery takes it from there.
             if result is AuthorizationResult.AUTHORIZED:
                 self._hand_over(lease)
@@ -511,7 +517,7 @@ class ExportActivities:
                         outcome="Failed", failure_reason="NotDelivered", summary="destination vanished before upload"
                     )
                 else:
-                    result = await partner.deliver(
+                    result = await metrics.timed_delivery(job.destination_id, file.size, partner.deliver(
                         partner.DestinationConfig.from_row(destination),
                         file.path,
                         file.final_name,
@@ -521,7 +527,7 @@ class ExportActivities:
                         throttle_bytes_per_second=self.settings.upload_throttle_bytes_per_second,
                         expected_sha256=file.sha256_hex,
                         replacement=await self._replacement(job),
-                    )
+                    ))
                 await self.checkpoints.reached(checkpoints.AFTER_RECEIPT, job.id)
                 outcome = Status(result.outcome)
                 failure = FailureCode(result.failure_reason) if result.failure_reason else None
@@ -537,6 +543,7 @@ class ExportActivities:
                         evidence_then_outcome, retryable=errors.is_transient,
                         patience=self.settings.store_outage_patience_seconds, first_delay=0.5, max_delay=5.0,
                         what=f"the outcome of {job.id} attempt {attempt_id} waits for the database")
+                    metrics.ended(outcome, written)
         finally:
             remove_local_file(file.path)
             await lease.finish()

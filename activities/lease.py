@@ -26,6 +26,7 @@ from uuid import UUID
 
 from temporalio import activity
 
+from activities import metrics
 from store.jobs import JobStore
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class LeaseKeeper:
             try:
                 renewed = await self.store.renew_lease(self.job_id, self.attempt_id, self.holder)
             except Exception as exc:
+                metrics.RENEWALS_FAILED.labels(reason="error").inc()
                 log.warning("lease renewal for %s attempt %s failed, retrying soon: %s",
                             self.job_id, self.attempt_id, exc)
                 return None
@@ -127,6 +129,7 @@ class LeaseKeeper:
                 try:
                     renewed = await self.store.renew_lease(self.job_id, self.attempt_id, self.holder)
                 except Exception as exc:
+                    metrics.RENEWALS_FAILED.labels(reason="error").inc()
                     if loop.time() >= deadline:
                         log.warning("attempt %s of export %s could not confirm its lease within %.0f s: %s",
                                     self.attempt_id, self.job_id, within, exc)
@@ -140,6 +143,7 @@ class LeaseKeeper:
         # A renewal that finishes after the terminal write finds no row; that is not a loss of ownership.
         if not renewed and not self._finishing and not self.lost:
             self.lost = True
+            metrics.RENEWALS_FAILED.labels(reason="lost").inc()
             log.warning("attempt %s lost ownership of export %s", self.attempt_id, self.job_id)
             self.on_lost()
 

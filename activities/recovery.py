@@ -11,7 +11,7 @@ from typing import Any
 from temporalio import activity
 from temporalio.client import Client
 
-from activities import evidence, partner
+from activities import evidence, metrics, partner
 from activities.outcomes import FinalLook
 from activities.contracts import (
     Candidate,
@@ -55,6 +55,7 @@ class RecoveryActivities:
             detail = ""
         else:
             recorded, detail = await self._resolve_delivering(candidate, run_id)
+        metrics.takeover(recorded)
         if recorded is not None:
             log.info("recovery %s: %s for %s attempt %s %s", run_id, recorded, candidate.job_id,
                      candidate.attempt_id, detail)
@@ -78,6 +79,7 @@ class RecoveryActivities:
             "resolution": resolution.value, "summary": summary})
         changed = await self.recovery.resolve(row.id, row.attempt_id, resolution, summary, run_id,
                                               confirmed_by=confirmed_by)
+        metrics.ended(resolution, changed)
         return (RESOLVED if changed else None), summary
 
     async def _look(self, row: JobRow, config: partner.DestinationConfig | None) -> FinalLook | None:
@@ -99,8 +101,8 @@ class RecoveryActivities:
 
     @activity.defn
     async def sweep(self, request: SweepInput) -> int:
-        return await sweep_all(self.store.engine, threshold_seconds=request.threshold_seconds,
-                               batch=request.batch)
+        return metrics.swept("queued", await sweep_all(
+            self.store.engine, threshold_seconds=request.threshold_seconds, batch=request.batch))
 
     @activity.defn
     async def list_destinations(self) -> list[DestinationRef]:
@@ -121,6 +123,7 @@ class RecoveryActivities:
         except Exception as exc:
             log.warning("could not sweep the temporary files of destination %s: %s", ref.destination_id, exc)
             return PartnerSweepOutput(destination_id=ref.destination_id, error=f"{type(exc).__name__}: {exc}"[:300])
+        metrics.swept("partner_temp_files", len(found["removed"]))
         for name in found["removed"]:
             log.info("removed %s from destination %s: older than its contract allows, its attempt ended",
                      name, ref.destination_id)

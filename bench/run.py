@@ -17,7 +17,7 @@ import platform
 import time
 from pathlib import Path
 
-from bench import build, claims, recovery, stop, throughput, upload
+from bench import build, claims, recovery, scaling, stop, throughput, upload
 from bench.table import Row, render, write_json
 
 # What each measure is given: (full run, --quick).
@@ -28,9 +28,10 @@ SIZES = {
     "P4": ({"small": 10_000, "large": 1_000_000}, {"small": 10_000, "large": 100_000}),
     "P5": ({"contacts": 900_000, "rounds": 3}, {"contacts": 50_000, "rounds": 1}),
     "P6": ({"megabytes": 200, "rounds": 3}, {"megabytes": 20, "rounds": 1}),
+    "S1": ({"exports": 200, "rounds": 3}, {"exports": 20, "rounds": 1, "workers": (2,)}),
 }
 MEASURES = {"P1": throughput.measure, "P2": stop.measure, "P3": claims.measure, "P4": recovery.measure,
-            "P5": build.measure, "P6": upload.measure}
+            "P5": build.measure, "P6": upload.measure, "S1": scaling.measure}
 UNAVAILABLE = {"P6": upload.unavailable}
 
 

@@ -54,8 +54,8 @@ class Stack:
     processes: list[asyncio.subprocess.Process] = field(default_factory=list)
 
     def settings(self, **overrides: object) -> Settings:
-        return Settings(**self.postgres.urls("postgres"), temporal_address=self.temporal.address,
-                        work_dir=self.folder / "work", **overrides)
+        return Settings(**{"http_port": 0, **self.postgres.urls("postgres"), "temporal_address": self.temporal.address,
+                           "work_dir": self.folder / "work", **overrides})
 
     async def spawn(self, *module_and_args: str, settings: Settings | None = None) -> None:
         """`python -m <module> <args>` in a process of its own, with the settings as its environment."""

@@ -19,7 +19,7 @@ class Row:
     project: float | None
     baseline: float | None
     baseline_name: str
-    goal: str  # e.g. ">= 1.1"; compared with the ratio
+    goal: str  # e.g. ">= 1.1"; compared with the ratio; "" for a measure without a goal
     higher_is_better: bool = True
     goal_on: str = "ratio"  # or "project": an absolute goal on the project's own value, in its unit
     notes: list[str] = field(default_factory=list)
@@ -34,8 +34,8 @@ class Row:
     @property
     def met(self) -> bool | None:
         value = self.project if self.goal_on == "project" else self.ratio
-        if value is None:
-            return None
+        if value is None or not self.goal:
+            return None  # measured for what it says, with no goal
         op, bound = self.goal.split()[:2]
         return value >= float(bound) if op == ">=" else value <= float(bound)
 
@@ -50,7 +50,7 @@ def render(rows: list[Row]) -> str:
     lines = []
     for r in rows:
         lines.append((r.id, r.measure, _value(r.project, r.unit), f"{_value(r.baseline, r.unit)} ({r.baseline_name})",
-                      "-" if r.ratio is None else f"{r.ratio:.2f}", r.goal,
+                      "-" if r.ratio is None else f"{r.ratio:.2f}", r.goal or "-",
                       "-" if r.met is None else ("yes" if r.met else "NO")))
     widths = [max(len(str(x)) for x in col) for col in zip(header, *lines)]
     out = ["  ".join(h.ljust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]

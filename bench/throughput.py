@@ -46,8 +46,9 @@ async def _shape_of(client: Client, workflow_id: str) -> Shape:
     return Shape(on_workflow_queue=shared, on_own_queue=own, search_attribute_updates=updating)
 
 
-async def _project(exports: ExportsClient, admin: asyncpg.Connection, tenant: uuid.UUID, destination: uuid.UUID,
-                   count: int) -> tuple[float, uuid.UUID]:
+async def exports_per_second(exports: ExportsClient, admin: asyncpg.Connection, tenant: uuid.UUID,
+                             destination: uuid.UUID, count: int) -> tuple[float, uuid.UUID]:
+    """`count` exports created at once until all are Completed: their rate, and one of them for its history."""
     started = time.perf_counter()
     jobs = await asyncio.gather(*(exports.create(tenant_id=tenant, destination_id=destination, created_by="bench")
                                   for _ in range(count)))
@@ -84,8 +85,8 @@ async def measure(*, exports: int, rounds: int) -> Row:
         ours, theirs, shaped = [], [], []
         try:
             for _ in range(rounds):
-                rate, sample = await _project(client_of_exports, stack.admin, stack.tenant, stack.destination,
-                                              exports)
+                rate, sample = await exports_per_second(client_of_exports, stack.admin, stack.tenant,
+                                                        stack.destination, exports)
                 ours.append(rate)
                 shape = await _shape_of(client, f"export-{sample}")
                 per_export = shape.on_workflow_queue + shape.on_own_queue

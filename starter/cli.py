@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import sys
 import traceback
@@ -37,7 +36,8 @@ from starter.client import (
 )
 from starter.destinations import destinations_app
 from starter import temporal as temporal_connections
-from starter.temporal import CONNECT_TIMEOUT_SECONDS, Unreachable, connect_temporal, short_reason
+from starter.logs import configure_logging
+from starter.temporal import CONNECT_TIMEOUT_SECONDS, Unreachable, address_setting, connect_temporal, short_reason
 from store import errors
 from store.errors import StoreError
 from store.models import CancellationOutcome, CancellationResult
@@ -91,14 +91,14 @@ def answer(exc: Exception) -> tuple[int, str]:
         return EXIT_UNREACHABLE, f"unreachable: {exc}; nothing was written"
     if isinstance(exc, SignalNotSent):
         if exc.error.status in _UNAVAILABLE:
-            code, prefix = EXIT_UNREACHABLE, "unreachable: Temporal (EXPORTS_TEMPORAL_ADDRESS)"
+            code, prefix = EXIT_UNREACHABLE, f"unreachable: Temporal ({address_setting()})"
         else:
             code, prefix = EXIT_REFUSED, "refused by Temporal"
         return code, (f"{prefix}: {exc}; the cancellation stands (the row decides): run the same command with "
                       f"--request-id {exc.result.request_id} to signal the workflow again")
     if isinstance(exc, RPCError):
         if exc.status in _UNAVAILABLE:
-            return EXIT_UNREACHABLE, f"unreachable: Temporal (EXPORTS_TEMPORAL_ADDRESS): {exc.message}"
+            return EXIT_UNREACHABLE, f"unreachable: Temporal ({address_setting()}): {exc.message}"
         return EXIT_REFUSED, f"refused by Temporal: {exc.message}"
     if isinstance(exc, StoreError):  # a definite refusal from the database, e.g. a role that may not do this
         return EXIT_REFUSED, f"refused: {exc}"
@@ -209,9 +209,24 @@ def _run(body: Callable[[ExportsClient], Awaitable[T]], *, temporal: bool = Fals
 
 
 @app.command()
-def migrate() -> None:
+def migrate(
+    sql: bool = typer.Option(False, "--sql", help="print the migration SQL for review (psql can apply it); "
+                                                  "connects to nothing"),
+    from_revision: Optional[str] = typer.Option(None, "--from", help="with --sql: the revision the database "
+                                                                      "is at (its alembic_version); default: empty"),
+) -> None:
     """Apply the database migrations as the owner role (EXPORTS_OWNER_DATABASE_URL)."""
-    from store.db import migrate as run_migrations
+    from store.db import migrate as run_migrations, migration_sql
+
+    if from_revision is not None and not sql:
+        fail("error: --from goes with --sql (a migration against the database reads its own revision)")
+    if sql:
+        try:
+            text = migration_sql(from_revision)
+        except ValueError as exc:
+            fail(f"error: {exc}")
+        sys.stdout.write(text)  # not through rich: the SQL exactly as written, never wrapped
+        return
 
     async def main() -> None:
         url = _settings().owner_database_url
@@ -421,7 +436,8 @@ def worker() -> None:
         await connect_temporal(_settings(), timeout=CONNECT_TIMEOUT_SECONDS)
 
     asyncio.run(reachable())
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # EXPORTS_LOG_FORMAT / EXPORTS_LOG_LEVEL, as `python -m worker` has them.
+    configure_logging(_settings()).addFilter(worker_process.OneLineFailures())
     asyncio.run(worker_process.main())
 
 

@@ -27,6 +27,7 @@ from rich.table import Table
 from starter.client import ExportsClient
 from starter.localstack import processes
 from starter.localstack.partner import LocalPartner
+from starter.localstack.ports import free_port
 from starter.localstack.postgres import LocalPostgres
 from starter.localstack.seed import seed_contacts, seed_destination
 from starter.localstack.temporal import LocalTemporal
@@ -79,8 +80,10 @@ async def run_dev() -> int:
         await migrate(postgres.url("owner", DATABASE))
         await temporal.start()
         await partner.start()
+        # The worker's metrics and probes on a free loopback port: a fixed one could be taken on a laptop.
         settings = Settings(_env_file=None, temporal_address=temporal.address, **postgres.urls(DATABASE),
-                            work_dir=STATE / "work", **DEMO_PACE)
+                            work_dir=STATE / "work", http_bind_address="127.0.0.1", http_port=free_port(),
+                            **DEMO_PACE)
         _write_local_env(settings)
         destinations = await _seed(postgres, partner)
         client = ExportsClient.from_settings(settings, await connect_temporal(settings))
@@ -92,7 +95,8 @@ async def run_dev() -> int:
 
             worker = await _start_worker(settings)
             await install_schedules(client.temporal, settings)
-            console.print(f"worker pid {worker.pid}; Temporal UI: [link]{temporal.ui_url}[/link]")
+            console.print(f"worker pid {worker.pid}, metrics http://127.0.0.1:{settings.http_port}/metrics; "
+                          f"Temporal UI: [link]{temporal.ui_url}[/link]")
             exports = await _run_demo(client, destinations, [queued])
             ok = await _verify(exports, partner.root, postgres)
         finally:

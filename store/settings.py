@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LOCAL_ENV_FILE = Path(".exports/local.env")
@@ -23,6 +23,12 @@ class Settings(BaseSettings):
     dispatcher_database_url: str = Field("", description="dispatcher role: reads the outbox, sets published_at")
     reconciliation_database_url: str = Field("", description="reconciliation role: corrections")
     owner_database_url: str = Field("", description="owner: migrations and role setup")
+    # Connection pools per role in a worker process (docs/database.md, "Connection budget"): the pool keeps
+    # pool_size connections open and opens up to max_overflow more under load.
+    database_pool_size: int = Field(5, ge=1)
+    database_max_overflow: int = Field(5, ge=0)
+    dispatcher_pool_size: int = Field(2, ge=1)
+    dispatcher_max_overflow: int = Field(2, ge=0)
 
     temporal_address: str = "127.0.0.1:7233"
     temporal_namespace: str = "default"
@@ -63,6 +69,36 @@ class Settings(BaseSettings):
     # Pacing for demos and long-work tests; 0 means unthrottled.
     build_throttle_bytes_per_second: int = Field(0, ge=0)
     upload_throttle_bytes_per_second: int = Field(0, ge=0)
+
+    # Observing the worker (docs/observing.md): one HTTP port for /metrics, /livez and /readyz (0: none). The SDK
+    # serves its own metrics on a second address (port 0: a free loopback port), appended to this port's /metrics.
+    # The gauges read from PostgreSQL are refreshed every `metrics_refresh_seconds`, never per export or scrape.
+    # Tracing (OpenTelemetry): off, console or otlp (with the standard OTEL_EXPORTER_OTLP_ENDPOINT).
+    http_port: int = Field(8080, ge=0, le=65535)
+    http_bind_address: str = "0.0.0.0"
+    sdk_metrics_port: int = Field(0, ge=0, le=65535)
+    sdk_metrics_bind_address: str = "127.0.0.1"
+    metrics_refresh_seconds: float = Field(30.0, gt=0)
+    tracing: str = Field("off", pattern=r"^(off|console|otlp)$")
+
+    # Logs (starter/logs.py, docs/operating.md): `text` for people, `json` for one object per line, for a log
+    # collector; the level by name. Checked here, so a typo stops the process at start, in one line.
+    log_format: str = "text"
+    log_level: str = "INFO"
+
+    @field_validator("log_format")
+    @classmethod
+    def _known_log_format(cls, value: str) -> str:
+        if value.strip().lower() not in ("text", "json"):
+            raise ValueError(f"{value!r} is not text or json")
+        return value.strip().lower()
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_log_level(cls, value: str) -> str:
+        if value.strip().upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError(f"{value!r} is not one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
+        return value.strip().upper()
 
     @model_validator(mode="after")
     def _renewal_fits_in_lease(self) -> Settings:

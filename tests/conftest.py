@@ -1,5 +1,12 @@
 """Fixtures for the real components: PostgreSQL (embedded, or EXPORTS_TEST_DATABASE_URL), the Temporal dev
-server, and an SFTP partner. Each test gets a fresh database copied from a migrated template."""
+server, and an SFTP partner. Each test gets a fresh database copied from a migrated template.
+
+EXPORTS_TEST_DATABASE_URL (a superuser's postgresql+asyncpg:// URL of an existing server) runs the suite there
+instead of the embedded server: the session creates its own template database and drops it at the end, each test
+its own copy, and the roles exports_app, exports_dispatcher and exports_reconciler when missing (with the URL's
+password, if it has one). The roles connect as the URL says, with its password: roles that already exist must
+accept it, or be trusted by pg_hba.conf. The tests that cut connections with tests/faults.py reach the server
+through its Unix socket: give the URL's host as the socket's directory (`?host=/run/postgresql`)."""
 
 from __future__ import annotations
 
@@ -13,13 +20,14 @@ from pathlib import Path
 
 import asyncpg
 import pytest
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from starter.localstack.partner import LocalPartner
-from starter.localstack.postgres import LocalPostgres
+from starter.localstack.postgres import ROLES, LocalPostgres
 from starter.localstack.temporal import temporal_binary
 from store.db import asyncpg_dsn, make_engine, migrate
 from store.jobs import JobStore
@@ -27,10 +35,55 @@ from store.settings import Settings
 from workflows.export import SEARCH_ATTRIBUTES
 
 TEMPLATE = "exports_template"
+APP_ROLES = ("app", "dispatcher", "reconciler")
+
+
+class ExternalPostgres:
+    """An existing server, reached with a superuser's URL (EXPORTS_TEST_DATABASE_URL); the same URLs per role
+    as LocalPostgres gives. Nothing to start or stop."""
+
+    def __init__(self, url: str) -> None:
+        if url.startswith("postgresql://"):
+            url = "postgresql+asyncpg://" + url[len("postgresql://"):]
+        if not url.startswith("postgresql+asyncpg://"):
+            raise pytest.UsageError("EXPORTS_TEST_DATABASE_URL must be a postgresql+asyncpg:// (or postgresql://) URL")
+        self._url = make_url(url)
+        host = self._url.query.get("host")
+        # The fault proxy (tests/faults.py) needs the server's socket directory; a TCP-only URL has none.
+        self.socket_dir = host if isinstance(host, str) and host.startswith("/") else ""
+        self.pid: int | None = None
+
+    @property
+    def password(self) -> str | None:
+        return self._url.password
+
+    def url(self, role: str = "owner", database: str | None = None) -> str:
+        url = self._url if database is None else self._url.set(database=database)
+        if role != "owner":
+            url = url.set(username=ROLES[role])
+        return url.render_as_string(hide_password=False)
+
+    def urls(self, database: str) -> dict[str, str]:
+        return {
+            "database_url": self.url("app", database),
+            "dispatcher_database_url": self.url("dispatcher", database),
+            "reconciliation_database_url": self.url("reconciler", database),
+            "owner_database_url": self.url("owner", database),
+        }
+
+    def stop(self) -> None:
+        pass  # not ours to stop
+
+
+PgServer = LocalPostgres | ExternalPostgres
 
 
 @pytest.fixture(scope="session")
-def pg_server() -> Iterator[LocalPostgres]:
+def pg_server() -> Iterator[PgServer]:
+    external = os.environ.get("EXPORTS_TEST_DATABASE_URL", "").strip()
+    if external:
+        yield ExternalPostgres(external)
+        return
     # A short path: the server's Unix socket lives under it.
     root = Path(tempfile.mkdtemp(prefix="exports-pg-"))
     server = LocalPostgres(root / "data")
@@ -41,22 +94,42 @@ def pg_server() -> Iterator[LocalPostgres]:
         server.stop()
 
 
+async def _create_missing_roles(admin: asyncpg.Connection, password: str | None) -> None:
+    """On an existing server, the application roles the migration would otherwise create without a password."""
+    for role in APP_ROLES:
+        name = ROLES[role]
+        if await admin.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", name):
+            continue
+        clause = "" if password is None else " PASSWORD " + await admin.fetchval("SELECT quote_literal($1)", password)
+        await admin.execute(f'CREATE ROLE "{name}" LOGIN{clause}')
+
+
 @pytest.fixture(scope="session")
-async def template_db(pg_server: LocalPostgres) -> str:
+async def template_db(pg_server: PgServer) -> AsyncIterator[str]:
+    # On a shared server, a name of this session's own: another run may be using its template at the same time.
+    name = f"{TEMPLATE}_{uuid.uuid4().hex[:8]}" if isinstance(pg_server, ExternalPostgres) else TEMPLATE
     admin = await asyncpg.connect(asyncpg_dsn(pg_server.url("owner")))
     try:
-        await admin.execute(f"DROP DATABASE IF EXISTS {TEMPLATE}")
-        await admin.execute(f"CREATE DATABASE {TEMPLATE}")
+        await admin.execute(f"DROP DATABASE IF EXISTS {name}")
+        await admin.execute(f"CREATE DATABASE {name}")
+        if isinstance(pg_server, ExternalPostgres):
+            await _create_missing_roles(admin, pg_server.password)
     finally:
         await admin.close()
-    await migrate(pg_server.url("owner", TEMPLATE))
-    return TEMPLATE
+    await migrate(pg_server.url("owner", name))
+    yield name
+    if isinstance(pg_server, ExternalPostgres):
+        admin = await asyncpg.connect(asyncpg_dsn(pg_server.url("owner")))
+        try:
+            await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        finally:
+            await admin.close()
 
 
 @dataclass
 class TestDatabase:
     name: str
-    server: LocalPostgres
+    server: PgServer
     admin: asyncpg.Connection  # superuser, for arranging and asserting; never how the application connects
 
     def url(self, role: str) -> str:
@@ -71,6 +144,8 @@ class TestDatabase:
             "dispatcher_poll_seconds": 0.5,
             "reread_timeout_seconds": 2.0,
             "lock_timeout_ms": 500,
+            # No HTTP port unless a test asks for one: many workers run at once, and one fixed port fits one.
+            "http_port": 0,
         }
         values.update(overrides)
         return Settings(_env_file=None, **values)
@@ -80,7 +155,7 @@ class TestDatabase:
 
 
 @pytest.fixture
-async def db(pg_server: LocalPostgres, template_db: str) -> AsyncIterator[TestDatabase]:
+async def db(pg_server: PgServer, template_db: str) -> AsyncIterator[TestDatabase]:
     name = f"t_{uuid.uuid4().hex[:12]}"
     admin = await asyncpg.connect(asyncpg_dsn(pg_server.url("owner")))
     await admin.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")

@@ -6,7 +6,7 @@ Revises:
 
 from __future__ import annotations
 
-from alembic import op
+from alembic import context, op
 
 revision = "0001"
 down_revision = None
@@ -193,7 +193,11 @@ CREATE POLICY p_events_reconciler ON export_attempt_events FOR INSERT
 
 
 def _script(sql: str) -> None:
-    """Run a multi-statement script with the simple query protocol; asyncpg prepares one statement at a time."""
+    """Run a multi-statement script with the simple query protocol; asyncpg prepares one statement at a time.
+    Offline (`exports migrate --sql`) there is no connection: the script is written out as it is, for psql."""
+    if context.is_offline_mode():
+        op.execute(sql)
+        return
     op.get_bind().connection.dbapi_connection.run_async(lambda conn: conn.execute(sql))
 
 

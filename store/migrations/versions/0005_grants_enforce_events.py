@@ -52,7 +52,7 @@ Revises: 0004
 
 from __future__ import annotations
 
-from alembic import op
+from alembic import context, op
 
 revision = "0005"
 down_revision = "0004"
@@ -359,7 +359,11 @@ CREATE TRIGGER tr_outbox_published_once BEFORE UPDATE ON outbox
 
 
 def _script(sql: str) -> None:
-    """Run a multi-statement script with the simple query protocol; asyncpg prepares one statement at a time."""
+    """Run a multi-statement script with the simple query protocol; asyncpg prepares one statement at a time.
+    Offline (`exports migrate --sql`) there is no connection: the script is written out as it is, for psql."""
+    if context.is_offline_mode():
+        op.execute(sql)
+        return
     op.get_bind().connection.dbapi_connection.run_async(lambda conn: conn.execute(sql))
 
 

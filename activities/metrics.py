@@ -1,0 +1,171 @@
+"""The worker's own metrics, in Prometheus format (prometheus_client), served with the SDK's at /metrics.
+
+Counters and histograms are bumped in memory where the event happens (one call, no I/O): nothing here may slow
+an export. The three gauges that only PostgreSQL knows (the outbox backlog, the age of its oldest unpublished
+row, the OutcomeUnknown count) are read by one background task every `metrics_refresh_seconds`, as the
+application role (it may SELECT outbox and export_jobs), never at scrape time and never per export. A read that
+fails is logged and counted, the gauges keep their last values, and the worker goes on.
+
+Labels stay bounded: a status, a kind, a failure class, a destination ID; never a job or an attempt ID.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+from uuid import UUID
+
+import asyncpg
+from prometheus_client import Counter, Gauge, Histogram
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_BYTES = (1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10)
+_SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+_STOP_SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+ENDED = Counter("exports_ended", "Terminal writes this worker made, by the state they wrote", ["status"])
+TAKEOVERS = Counter("exports_recovery_takeovers", "Recovery takeovers that committed, by the event recorded",
+                    ["kind"])
+RENEWALS_FAILED = Counter("exports_lease_renewals_failed",
+                          "Lease renewals that failed: error (retried soon) or lost (matched no row)", ["reason"])
+STOP_LATENCY = Histogram("exports_stop_latency_seconds",
+                         "From the stop watcher confirming a stop to the build's Stopped write", buckets=_STOP_SECONDS)
+BUILD_BYTES = Histogram("exports_build_bytes", "Size of each file built", buckets=_BYTES)
+BUILD_SECONDS = Histogram("exports_build_seconds", "Duration of each build that finished", buckets=_SECONDS)
+UPLOAD_BYTES = Histogram("exports_upload_bytes", "Size of each file delivered (outcome Completed)", buckets=_BYTES)
+DELIVERY_SECONDS = Histogram("exports_delivery_seconds", "Duration of each delivery, by outcome", ["outcome"],
+                             buckets=_SECONDS)
+DELIVERY_FAILURES = Counter("exports_delivery_failures",
+                            "Deliveries that did not complete, by destination and failure class",
+                            ["destination", "failure"])
+SWEEPS = Counter("exports_sweeps", "Sweep runs, by kind", ["kind"])
+SWEPT = Counter("exports_swept", "What the sweeps changed: queued rows woken, temporary files removed", ["kind"])
+
+OUTBOX_BACKLOG = Gauge("exports_outbox_backlog", "Outbox rows not yet published")
+OUTBOX_OLDEST = Gauge("exports_outbox_oldest_unpublished_age_seconds",
+                      "Age of the oldest unpublished outbox row (0 when none)")
+OUTCOME_UNKNOWN = Gauge("exports_outcome_unknown", "Exports whose row says OutcomeUnknown")
+STORE_READ_FAILURES = Counter("exports_metrics_store_read_failures", "Failed reads of the gauges above")
+STORE_READ_AT = Gauge("exports_metrics_store_read_timestamp_seconds", "When the gauges above were last read")
+
+
+def ended(status: Any, written: bool) -> bool:
+    """Count a terminal write that changed the row; returns `written`, so that it can wrap the write's call."""
+    if written:
+        ENDED.labels(status=str(status)).inc()
+    return written
+
+
+# Kinds of recovery's takeovers that end the attempt, and the state they write (store/recovery.py).
+_TAKEOVER_ENDS = {"StoppedByRecovery": "Stopped", "AttemptsExhausted": "Failed"}
+
+
+def takeover(kind: str | None) -> None:
+    if kind is None:
+        return
+    TAKEOVERS.labels(kind=kind).inc()
+    if kind in _TAKEOVER_ENDS:
+        ENDED.labels(status=_TAKEOVER_ENDS[kind]).inc()
+
+
+def swept(kind: str, count: int) -> int:
+    SWEEPS.labels(kind=kind).inc()
+    SWEPT.labels(kind=kind).inc(count)
+    return count
+
+
+async def timed_build(build: Awaitable[tuple[int, str]]) -> tuple[int, str]:
+    started = time.monotonic()
+    size, sha256_hex = await build
+    BUILD_SECONDS.observe(time.monotonic() - started)
+    BUILD_BYTES.observe(size)
+    return size, sha256_hex
+
+
+async def timed_delivery(destination_id: UUID, size: int, delivery: Awaitable[T]) -> T:
+    """Times a delivery and counts how it ended; `delivery` returns a partner.DeliveryResult."""
+    started = time.monotonic()
+    result = await delivery
+    outcome = str(getattr(result, "outcome", "Unknown"))
+    DELIVERY_SECONDS.labels(outcome=outcome).observe(time.monotonic() - started)
+    if outcome == "Completed":
+        UPLOAD_BYTES.observe(size)
+    else:
+        failure = getattr(result, "failure_reason", None) or outcome
+        DELIVERY_FAILURES.labels(destination=str(destination_id), failure=str(failure)).inc()
+    return result
+
+
+# Stops confirmed and not yet written, by attempt: bounded, since a stop whose write never comes (a lost
+# ownership, a crash of the write) leaves its entry behind.
+_stops_heard: dict[tuple[UUID, UUID], float] = {}
+_MAX_STOPS_HEARD = 1000
+
+
+def timed_stop(job_id: UUID, attempt_id: UUID, on_stop: Callable[[], None]) -> Callable[[], None]:
+    """`on_stop`, noting when the stop watcher confirmed the stop."""
+
+    def heard() -> None:
+        if len(_stops_heard) >= _MAX_STOPS_HEARD:
+            _stops_heard.clear()
+        _stops_heard[(job_id, attempt_id)] = time.monotonic()
+        on_stop()
+
+    return heard
+
+
+def stop_written(job_id: UUID, attempt_id: UUID) -> None:
+    heard_at = _stops_heard.pop((job_id, attempt_id), None)
+    if heard_at is not None:
+        STOP_LATENCY.observe(time.monotonic() - heard_at)
+
+
+# One statement, three index-backed or small reads: the unpublished outbox rows have their own partial index
+# (ix_outbox_unpublished); export_jobs has no index on status, so the count is a scan, hence the long interval.
+STORE_GAUGES_SQL = """
+SELECT (SELECT count(*) FROM outbox WHERE published_at IS NULL) AS backlog,
+       (SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)
+          FROM outbox WHERE published_at IS NULL) AS oldest,
+       (SELECT count(*) FROM export_jobs WHERE status = 'OutcomeUnknown') AS unknown
+"""
+_READ_TIMEOUT_SECONDS = 5.0
+
+
+async def read_store_gauges(dsn: str) -> None:
+    """One read of the gauges; raises on failure (the caller logs it)."""
+    conn = await asyncpg.connect(dsn, timeout=_READ_TIMEOUT_SECONDS,
+                                 server_settings={"application_name": "exports-metrics",
+                                                  "statement_timeout": str(int(_READ_TIMEOUT_SECONDS * 1000))})
+    try:
+        row = await conn.fetchrow(STORE_GAUGES_SQL, timeout=_READ_TIMEOUT_SECONDS)
+    finally:
+        await asyncio.wait_for(conn.close(), _READ_TIMEOUT_SECONDS)
+    OUTBOX_BACKLOG.set(row["backlog"])
+    OUTBOX_OLDEST.set(float(row["oldest"]))
+    OUTCOME_UNKNOWN.set(row["unknown"])
+    STORE_READ_AT.set(time.time())
+
+
+async def keep_reading_store_gauges(dsn: str, every: float) -> None:
+    """Until cancelled. Never raises: metrics must never take the worker down."""
+    while True:
+        try:
+            await asyncio.wait_for(read_store_gauges(dsn), 2 * _READ_TIMEOUT_SECONDS + 1)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - logged and counted; the gauges keep their last values
+            STORE_READ_FAILURES.inc()
+            log.warning("could not read the metrics gauges from PostgreSQL: %s: %s", type(exc).__name__, exc)
+        await asyncio.sleep(every)
+
+
+def stopped_while_building(job_id: UUID, attempt_id: UUID) -> None:
+    """A build's Stopped write committed: counted, and timed from when its stop was confirmed."""
+    ENDED.labels(status="Stopped").inc()
+    stop_written(job_id, attempt_id)

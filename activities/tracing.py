@@ -1,0 +1,76 @@
+"""OpenTelemetry tracing through Temporal's TracingInterceptor, off unless EXPORTS_TRACING says otherwise.
+
+- `off` (the default): no interceptor, no provider; nothing is paid.
+- `console`: spans printed on the worker's standard output, in batches.
+- `otlp`: spans sent to OTEL_EXPORTER_OTLP_ENDPOINT (and the other standard OTEL_* variables) by the OTLP
+  exporter, which is a package of its own (opentelemetry-exporter-otlp): without it the worker says so at start
+  and runs untraced.
+
+The interceptor goes on the worker's client, so that the outbox dispatcher's start of an export opens the trace
+(a "StartWorkflow" span), the workflow's spans hang under it and each activity's span under the workflow's: one
+trace per export run. Workflows started without a traced client (schedules, the `temporal` command) get
+activity spans only, each a trace of its own, since workflow spans without a parent could not be rebuilt the
+same way after a replay.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from temporalio.client import Client
+
+from store.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def configure(settings: Settings) -> bool:
+    """The global tracer provider and its exporter, as EXPORTS_TRACING asks. False when tracing stays off."""
+    if settings.tracing == "off":
+        return False
+    try:
+        from opentelemetry import trace
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+    except ImportError as exc:
+        log.error("EXPORTS_TRACING=%s, but OpenTelemetry is not installed (%s): pip install opentelemetry-api "
+                  "opentelemetry-sdk; the worker runs untraced", settings.tracing, exc)
+        return False
+    if settings.tracing == "console":
+        exporter = ConsoleSpanExporter()
+    else:
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        except ImportError:
+            try:
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            except ImportError:
+                log.error("EXPORTS_TRACING=otlp, but the OTLP exporter is not installed: pip install "
+                          "opentelemetry-exporter-otlp; the worker runs untraced")
+                return False
+        exporter = OTLPSpanExporter()  # reads OTEL_EXPORTER_OTLP_ENDPOINT and the other standard variables
+    service = os.environ.get("OTEL_SERVICE_NAME", "exports-worker")
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    log.info("tracing on (%s), service %s%s", settings.tracing, service,
+             f", to {os.environ.get('OTEL_EXPORTER_OTLP_ENDPOINT', 'the default endpoint')}"
+             if settings.tracing == "otlp" else "")
+    return True
+
+
+def traced(client: Client, settings: Settings) -> Client:
+    """The same connection, with the tracing interceptor when tracing is on; the workers built on it inherit the
+    interceptor, so activities and workflows are traced too."""
+    if settings.tracing == "off":
+        return client
+    try:
+        from temporalio.contrib.opentelemetry import TracingInterceptor
+    except ImportError as exc:
+        log.error("tracing asked for, but its interceptor cannot be loaded (%s): the worker runs untraced", exc)
+        return client
+    config = client.config()
+    config["interceptors"] = [*config["interceptors"], TracingInterceptor()]
+    return Client(**config)

@@ -1,0 +1,120 @@
+"""Logs: text for people (the default), or one JSON object per line (EXPORTS_LOG_FORMAT=json) for a log collector.
+
+Every JSON line has time, level, logger and message, and, when the record comes from a workflow or an activity,
+workflow_id, run_id, workflow_type, activity_type, activity_id, attempt, and the export's job_id (taken from a
+workflow ID `export-<uuid>`). The SDK's workflow and activity loggers put those on the record (the extras
+`temporal_workflow` and `temporal_activity`); a record from any other logger while an activity runs (e.g.
+`store.jobs` under a claim) gets the activity's from its context.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import uuid
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from typing import IO, Any
+
+from temporalio import activity, workflow
+from temporalio.runtime import LogForwardingConfig, LoggingConfig, TelemetryFilter
+
+from store.settings import Settings
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+_EXPORT_WORKFLOW_ID = re.compile(r"^export-([0-9a-fA-F-]{36})$")
+
+
+def job_id_of(workflow_id: object) -> str | None:
+    """The export's ID when the workflow ID is `export-<uuid>`, else None (recovery, sweeper, ...)."""
+    found = _EXPORT_WORKFLOW_ID.match(workflow_id) if isinstance(workflow_id, str) else None
+    if found is None:
+        return None
+    try:
+        return str(uuid.UUID(found.group(1)))
+    except ValueError:
+        return None
+
+
+def record_context(record: logging.LogRecord) -> dict[str, Any]:
+    """The Temporal context of a record, flattened: only the keys that have a value."""
+    found: dict[str, Any] = {}
+    run = getattr(record, "temporal_workflow", None)
+    if isinstance(run, Mapping):
+        found.update(workflow_id=run.get("workflow_id"), run_id=run.get("run_id"),
+                     workflow_type=run.get("workflow_type"), update_id=run.get("update_id"))
+    step = getattr(record, "temporal_activity", None)
+    if not isinstance(step, Mapping) and activity.in_activity():
+        # A plain logger called from activity code: the activity's own context says which one it serves.
+        info = activity.info()
+        step = {"workflow_id": info.workflow_id, "workflow_run_id": info.workflow_run_id,
+                "workflow_type": info.workflow_type, "activity_type": info.activity_type,
+                "activity_id": info.activity_id, "attempt": info.attempt}
+    if isinstance(step, Mapping):
+        found.update(workflow_id=step.get("workflow_id"), run_id=step.get("workflow_run_id"),
+                     workflow_type=step.get("workflow_type"), activity_type=step.get("activity_type"),
+                     activity_id=step.get("activity_id"), attempt=step.get("attempt"))
+    job_id = getattr(record, "job_id", None) or job_id_of(found.get("workflow_id"))
+    if job_id:
+        found["job_id"] = str(job_id)
+    return {key: value for key, value in found.items() if value is not None}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record, on one line whatever the message holds (newlines and every non-ASCII
+    character are escaped, so no reader splits a record)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        entry.update(record_context(record))
+        if record.exc_info:
+            entry["error"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            entry["error"] = record.exc_text
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(entry, default=str, ensure_ascii=True)
+
+
+def configure_logging(settings: Settings, stream: IO[str] | None = None) -> logging.Handler:
+    """The process's one log handler (on stderr unless given a stream), in the format and at the level the
+    settings say; replaces any handler configured before. Returns it, for filters."""
+    json_lines = settings.log_format == "json"
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(JsonFormatter() if json_lines else logging.Formatter(TEXT_FORMAT))
+    logging.basicConfig(level=settings.log_level, handlers=[handler], force=True)
+    # In JSON the context has fields of its own: the SDK's copy of it at the end of each message would repeat it.
+    activity.logger.activity_info_on_message = not json_lines
+    workflow.logger.workflow_info_on_message = not json_lines
+    return handler
+
+
+def sdk_core_logging(settings: Settings) -> LoggingConfig:
+    """The SDK core's (Rust) logging, for whoever builds the process's `temporalio.runtime.Runtime`: in JSON, its
+    warnings are forwarded to the `temporalio.core` logger, so they are JSON lines too; in text they go to
+    stderr as the SDK prints them by default."""
+    if settings.log_format != "json":
+        return LoggingConfig.default
+    return LoggingConfig(filter=TelemetryFilter(core_level="WARN", other_level="ERROR"),
+                         forwarding=LogForwardingConfig(logger=logging.getLogger("temporalio.core")))
+
+
+def settings_or_exit(load: Any) -> Settings:
+    """The settings for a process's start, or one line on stderr naming the EXPORTS_* variable that does not
+    parse, and exit status 2 (as the command line answers it)."""
+    from pydantic import ValidationError
+
+    try:
+        return load()
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        name = f"setting EXPORTS_{str(first['loc'][0]).upper()}" if first["loc"] else "settings"
+        print(f"error: {name}: {first['msg'].removeprefix('Value error, ')}", file=sys.stderr)
+        raise SystemExit(2) from None
