@@ -1,5 +1,5 @@
 """Fixtures for the real components: PostgreSQL (embedded, or EXPORTS_TEST_DATABASE_URL), the Temporal dev
-server, and an SFTP partner. Each test gets a fresh database copied from a migrated template.
+server (or EXPORTS_TEST_TEMPORAL_ADDRESS), and an SFTP partner. Each test gets a fresh database copied from a migrated template.
 
 EXPORTS_TEST_DATABASE_URL (a superuser's postgresql+asyncpg:// URL of an existing server) runs the suite there
 instead of the embedded server: the session creates its own template database and drops it at the end, each test
@@ -211,8 +211,32 @@ async def partner(tmp_path: Path) -> AsyncIterator[LocalPartner]:
         await asyncio.wait_for(p.stop(), 30)
 
 
+async def _existing_temporal(address: str, namespace: str) -> WorkflowEnvironment:
+    """A Temporal service that runs already (EXPORTS_TEST_TEMPORAL_ADDRESS), with the search attributes the
+    workflows set registered on it if they are missing."""
+    from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest, ListSearchAttributesRequest
+
+    client = await asyncio.wait_for(Client.connect(address, namespace=namespace,
+                                                   data_converter=pydantic_data_converter), 30)
+    listed = await client.operator_service.list_search_attributes(ListSearchAttributesRequest(namespace=namespace))
+    missing = {key.name: int(key.indexed_value_type)
+               for key in SEARCH_ATTRIBUTES if key.name not in listed.custom_attributes}
+    if missing:
+        await client.operator_service.add_search_attributes(
+            AddSearchAttributesRequest(namespace=namespace, search_attributes=missing))
+    return WorkflowEnvironment.from_client(client)
+
+
 @pytest.fixture(scope="session")
 async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
+    """The Temporal dev server from the wheel, or, with EXPORTS_TEST_TEMPORAL_ADDRESS, a service that runs already
+    (its namespace EXPORTS_TEST_TEMPORAL_NAMESPACE, `default` when unset): each test's task queue and workflow IDs
+    are its own, so a shared service is fine. A few tests start dev servers of their own regardless (the chaos
+    run restarts its server; the connection tests need one they can stop)."""
+    address = os.environ.get("EXPORTS_TEST_TEMPORAL_ADDRESS", "")
+    if address:
+        yield await _existing_temporal(address, os.environ.get("EXPORTS_TEST_TEMPORAL_NAMESPACE") or "default")
+        return
     env = await WorkflowEnvironment.start_local(
         data_converter=pydantic_data_converter,
         dev_server_existing_path=temporal_binary(),
