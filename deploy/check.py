@@ -11,7 +11,6 @@ Needs kubernetes-validate (which brings PyYAML) and the hadolint executable of t
 
 from __future__ import annotations
 
-import fnmatch
 import re
 import shutil
 import subprocess

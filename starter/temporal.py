@@ -17,7 +17,6 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -130,23 +129,20 @@ def temporal_target(settings: Settings, environ: Mapping[str, str] | None = None
         setting = named[0] if named else f"TLS of {profile_label}"
         raise refuse(setting, f"cannot read {exc.filename}: {exc.strerror}") from None
 
-    explicit = settings.model_fields_set
-    if "temporal_address" in explicit:
-        address, address_setting = settings.temporal_address, "EXPORTS_TEMPORAL_ADDRESS"
-    elif env.get("TEMPORAL_ADDRESS"):
-        address, address_setting = env["TEMPORAL_ADDRESS"], "TEMPORAL_ADDRESS"
-    elif config.get("target_host"):
-        address, address_setting = config["target_host"], profile_label
-    else:
-        address, address_setting = DEFAULT_ADDRESS, UNSET_ADDRESS
-    if "temporal_namespace" in explicit:
-        namespace, namespace_setting = settings.temporal_namespace, "EXPORTS_TEMPORAL_NAMESPACE"
-    elif env.get("TEMPORAL_NAMESPACE"):
-        namespace, namespace_setting = env["TEMPORAL_NAMESPACE"], "TEMPORAL_NAMESPACE"
-    elif config.get("namespace"):
-        namespace, namespace_setting = config["namespace"], profile_label
-    else:
-        namespace, namespace_setting = DEFAULT_NAMESPACE, "EXPORTS_TEMPORAL_NAMESPACE or TEMPORAL_NAMESPACE"
+    def pick(field: str, variable: str, config_key: str, default: str, unset: str) -> tuple[str, str]:
+        """One part of the connection, by the precedence above, and the setting that supplied it."""
+        if field in settings.model_fields_set:
+            return getattr(settings, field), f"EXPORTS_{field.upper()}"
+        if env.get(variable):
+            return env[variable], variable
+        if config.get(config_key):
+            return config[config_key], profile_label
+        return default, unset
+
+    address, address_setting = pick("temporal_address", "TEMPORAL_ADDRESS", "target_host", DEFAULT_ADDRESS,
+                                    UNSET_ADDRESS)
+    namespace, namespace_setting = pick("temporal_namespace", "TEMPORAL_NAMESPACE", "namespace", DEFAULT_NAMESPACE,
+                                        "EXPORTS_TEMPORAL_NAMESPACE or TEMPORAL_NAMESPACE")
 
     if not address.strip():
         raise refuse(address_setting, "no address configured")

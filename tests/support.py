@@ -70,3 +70,28 @@ async def delivery_evidence(admin: asyncpg.Connection, job_id: uuid.UUID) -> lis
     rows = await admin.fetch("SELECT detail FROM export_attempt_events WHERE job_id = $1 "
                              "AND kind = 'DeliveryEvidence' ORDER BY id", job_id)
     return [r["detail"] for r in rows]
+
+
+class Ran:
+    """How a command ended: its exit status, its output, and how long it took."""
+
+    def __init__(self, code: int | None, stdout: str, stderr: str, seconds: float) -> None:
+        self.code, self.stdout, self.stderr, self.seconds = code, stdout, stderr, seconds
+
+    def __repr__(self) -> str:
+        return f"exit {self.code} after {self.seconds:.1f} s\nstdout: {self.stdout!r}\nstderr: {self.stderr!r}"
+
+
+async def run_command(*args: str, env: dict[str, str], cwd: Path, bound: float) -> Ran:
+    """Run a command to its end, killed (and the test failed) if it has not ended within `bound` seconds."""
+    started = time.monotonic()
+    process = await asyncio.create_subprocess_exec(*args, env=env, cwd=cwd, stdout=asyncio.subprocess.PIPE,
+                                                   stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), bound)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        raise AssertionError(f"{args} did not end within {bound} s") from None
+    return Ran(process.returncode, out.decode(errors="backslashreplace"), err.decode(errors="backslashreplace"),
+               time.monotonic() - started)

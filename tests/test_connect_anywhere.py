@@ -39,7 +39,7 @@ from starter.temporal import (
     temporal_target,
 )
 from store.settings import Settings
-from tests.support import eventually
+from tests.support import Ran, eventually, run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPORTS = Path(sys.executable).parent / "exports"
@@ -246,14 +246,6 @@ async def test_a_malformed_config_file_is_one_line(tmp_path):
 # --- the processes: `exports schedules install` and the worker ------------------------------------------------------
 
 
-class Ran:
-    def __init__(self, code: int | None, stdout: str, stderr: str, seconds: float) -> None:
-        self.code, self.stdout, self.stderr, self.seconds = code, stdout, stderr, seconds
-
-    def __repr__(self) -> str:
-        return f"exit {self.code} after {self.seconds:.1f} s\nstdout: {self.stdout!r}\nstderr: {self.stderr!r}"
-
-
 def clean_env(**env: str) -> dict[str, str]:
     """This process's environment without any EXPORTS_* or TEMPORAL_* variable, plus `env`."""
     kept = {k: v for k, v in os.environ.items() if not k.startswith(("EXPORTS_", "TEMPORAL_"))}
@@ -261,17 +253,7 @@ def clean_env(**env: str) -> dict[str, str]:
 
 
 async def run(*args: str, env: dict[str, str], cwd: Path) -> Ran:
-    started = time.monotonic()
-    process = await asyncio.create_subprocess_exec(*args, env=env, cwd=cwd, stdout=asyncio.subprocess.PIPE,
-                                                   stderr=asyncio.subprocess.PIPE)
-    try:
-        out, err = await asyncio.wait_for(process.communicate(), RUN_BOUND)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-        raise AssertionError(f"{args} did not answer within {RUN_BOUND} s") from None
-    return Ran(process.returncode, out.decode(errors="backslashreplace"), err.decode(errors="backslashreplace"),
-               time.monotonic() - started)
+    return await run_command(*args, env=env, cwd=cwd, bound=RUN_BOUND)
 
 
 async def our_schedules(client: Client) -> set[str]:

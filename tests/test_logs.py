@@ -8,14 +8,12 @@ against the session's Temporal dev server, PostgreSQL and an SFTP partner."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import io
 import json
 import logging
 import os
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import AsyncExitStack
@@ -29,6 +27,7 @@ from temporalio.testing import ActivityEnvironment
 from starter.logs import JsonFormatter, configure_logging, job_id_of
 from store.models import Status
 from store.settings import Settings
+from tests.support import run_command
 from tests.workflow_support import WorkerProcess, open_harness
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,16 +141,8 @@ def test_the_level_is_set_by_name_and_a_bad_one_is_refused(restored_logging):
 
 
 async def run(*args: str, env: dict[str, str], cwd: Path) -> tuple[int | None, str, float]:
-    started = time.monotonic()
-    process = await asyncio.create_subprocess_exec(*args, env=env, cwd=cwd, stdout=asyncio.subprocess.PIPE,
-                                                   stderr=asyncio.subprocess.PIPE)
-    try:
-        _, err = await asyncio.wait_for(process.communicate(), START_BOUND)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-        raise AssertionError(f"{args} did not end within {START_BOUND} s") from None
-    return process.returncode, err.decode(errors="backslashreplace"), time.monotonic() - started
+    ran = await run_command(*args, env=env, cwd=cwd, bound=START_BOUND)
+    return ran.code, ran.stderr, ran.seconds
 
 
 @pytest.mark.parametrize("command", [[sys.executable, "-m", "worker"], [str(EXPORTS), "worker"]])
