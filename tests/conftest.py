@@ -27,7 +27,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from starter.localstack.partner import LocalPartner
-from starter.localstack.postgres import ROLES, LocalPostgres
+from starter.localstack.postgres import ROLES, LocalPostgres, role_urls
 from starter.localstack.temporal import temporal_binary
 from store.db import asyncpg_dsn, make_engine, migrate
 from store.jobs import JobStore
@@ -64,12 +64,7 @@ class ExternalPostgres:
         return url.render_as_string(hide_password=False)
 
     def urls(self, database: str) -> dict[str, str]:
-        return {
-            "database_url": self.url("app", database),
-            "dispatcher_database_url": self.url("dispatcher", database),
-            "reconciliation_database_url": self.url("reconciler", database),
-            "owner_database_url": self.url("owner", database),
-        }
+        return role_urls(self.url, database)
 
     def stop(self) -> None:
         pass  # not ours to stop

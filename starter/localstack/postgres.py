@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
@@ -14,6 +15,16 @@ log = logging.getLogger(__name__)
 
 ROLES = {"owner": "postgres", "app": "exports_app", "dispatcher": "exports_dispatcher",
          "reconciler": "exports_reconciler"}
+
+
+def role_urls(url: Callable[[str, str], str], database: str) -> dict[str, str]:
+    """The EXPORTS_* settings that point every role at `database`, given a server's URL for (role, database)."""
+    return {
+        "database_url": url("app", database),
+        "dispatcher_database_url": url("dispatcher", database),
+        "reconciliation_database_url": url("reconciler", database),
+        "owner_database_url": url("owner", database),
+    }
 
 
 class LocalPostgres:
@@ -48,12 +59,7 @@ class LocalPostgres:
 
     def urls(self, database: str) -> dict[str, str]:
         """The EXPORTS_* settings that point every role at `database`."""
-        return {
-            "database_url": self.url("app", database),
-            "dispatcher_database_url": self.url("dispatcher", database),
-            "reconciliation_database_url": self.url("reconciler", database),
-            "owner_database_url": self.url("owner", database),
-        }
+        return role_urls(self.url, database)
 
     def stop(self) -> None:
         if self._server is not None:
