@@ -25,7 +25,7 @@ from pathlib import Path
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from activities import endpoint, tracing
+from activities import endpoint, metrics, tracing
 from activities.checkpoints import checkpoints_for
 from activities.exports import ExportActivities
 from activities.interceptors import ClassifyStoreErrors
@@ -60,6 +60,7 @@ async def running_worker(
         lease_seconds=settings.lease_seconds,
         lock_timeout_ms=settings.lock_timeout_ms,
         reread_timeout_seconds=settings.reread_timeout_seconds,
+        on_ended=metrics.ended,
     )
     worker_id = settings.worker_id or new_worker_id()
     own_queue = f"{settings.task_queue}-{worker_id}"
@@ -186,11 +187,19 @@ class OneLineFailures(logging.Filter):
         return True
 
 
-if __name__ == "__main__":
-    from starter.logs import configure_logging, settings_or_exit
+def configure_worker_logging(settings: Settings) -> None:
+    """The worker's logs, whichever way it starts (`python -m worker`, `exports worker`): EXPORTS_LOG_FORMAT and
+    EXPORTS_LOG_LEVEL, a failed activity attempt in one line."""
+    from starter.logs import configure_logging
 
-    # EXPORTS_LOG_FORMAT / EXPORTS_LOG_LEVEL; a malformed setting is one line and exit status 2.
-    configure_logging(settings_or_exit(get_settings)).addFilter(OneLineFailures())
+    configure_logging(settings).addFilter(OneLineFailures())
+
+
+if __name__ == "__main__":
+    from starter.logs import settings_or_exit
+
+    # A malformed setting is one line and exit status 2.
+    configure_worker_logging(settings_or_exit(get_settings))
     try:
         asyncio.run(main())
     except NotConfigured as exc:

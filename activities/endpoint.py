@@ -169,10 +169,9 @@ async def start(settings: Settings, stopping: asyncio.Event) -> Observing:
     """The SDK's metrics runtime, the HTTP port and the gauges' reader, as the settings ask. Call it before the
     Temporal client connects. Never raises."""
     observing = Observing(settings, stopping)
-    if settings.http_port == 0 and settings.sdk_metrics_port == 0:
-        log.info("no HTTP port (EXPORTS_HTTP_PORT=0): no metrics, no probes")
-        return observing
     observing.sdk_address = install_sdk_runtime(settings)
-    if settings.http_port != 0:
+    if settings.http_port == 0:
+        log.info("no HTTP port (EXPORTS_HTTP_PORT=0): no metrics, no probes")
+    else:
         await observing.serve()
     return observing

@@ -172,7 +172,6 @@ class ExportActivities:
             else:
                 return Evaluation(row=row, allowed=True)
         if await self.store.reject(row.id, row.version, reason[:MAX_REASON]):
-            metrics.ended(Status.REJECTED, True)
             log.info("export %s rejected at version %s: %s", row.id, row.version, reason)
         return Evaluation(row=await self.store.read_job(row.id), reason=reason)
 
@@ -301,8 +300,7 @@ class ExportActivities:
                 if refusal is not None:
                     code, why = refusal
                     async with lease.terminal_write():
-                        metrics.ended(Status.FAILED, await self.store.finish_failed(job.id, attempt_id, code, why,
-                                                                                    holder=holder))
+                        await self.store.finish_failed(job.id, attempt_id, code, why, holder=holder)
                     return BuildOutput(ended=code.value)
                 try:
                     async with StopWatch(self.store, asyncpg_dsn(self.settings.database_url), job.id, attempt_id,
@@ -326,8 +324,8 @@ class ExportActivities:
                 except BuildError as exc:
                     log.error("build of %s attempt %s failed: %s", job.id, attempt_id, exc)
                     async with lease.terminal_write():
-                        metrics.ended(Status.FAILED, await self.store.finish_failed(
-                            job.id, attempt_id, FailureCode.BUILD_FAILED, str(exc), holder=holder))
+                        await self.store.finish_failed(job.id, attempt_id, FailureCode.BUILD_FAILED, str(exc),
+                                                       holder=holder)
                     return BuildOutput(ended="BuildFailed")
             self._hand_over(lease)
             handed_over = True
@@ -393,7 +391,7 @@ class ExportActivities:
         # this attempt's; anything else leaves the row for recovery, or, for a shutdown, for the workflow to
         # resume the build elsewhere at once (HandedBack), its lease ended so that nothing waits it out.
         if await self.store.finish_stopped(job_id, attempt_id, "WhileBuilding", holder=holder):
-            metrics.stopped_while_building(job_id, attempt_id)
+            metrics.stop_written(job_id, attempt_id)
             return BuildOutput(ended="Stopped")
         if shutting_down:
             try:
@@ -430,8 +428,7 @@ class ExportActivities:
     @activity.defn
     async def stop_attempt(self, request: AttemptInput) -> bool:
         """A stop recorded while no build runs for the attempt: the conditional Running -> Stopped."""
-        return metrics.ended(Status.STOPPED, await self.store.finish_stopped(request.job.id, request.attempt_id,
-                                                                             "BeforeBuild"))
+        return await self.store.finish_stopped(request.job.id, request.attempt_id, "BeforeBuild")
 
     @activity.defn
     async def authorize_delivery(self, request: AuthorizeInput) -> AuthorizeOutput:
@@ -453,12 +450,11 @@ class ExportActivities:
                 raise
             if result is AuthorizationResult.STOP_RECORDED:
                 async with lease.terminal_write():
-                    metrics.ended(Status.STOPPED, await self.store.finish_stopped(
-                        job.id, attempt_id, "BeforeDelivery", holder=file.holder))
+                    await self.store.finish_stopped(job.id, attempt_id, "BeforeDelivery", holder=file.holder)
             elif result is AuthorizationResult.ORIGINAL_COMPLETED:
                 async with lease.terminal_write():
-                    metrics.ended(Status.FAILED, await self.store.finish_failed(
-                        job.id, attempt_id, FailureCode.ORIGINAL_DELIVERED, holder=file.holder))
+                    await self.store.finish_failed(job.id, attempt_id, FailureCode.ORIGINAL_DELIVERED,
+                                                   holder=file.holder)
             # LeaseLapsed again, NotOwner or Unknown: write nothing to the row; recovery takes it from there.
             if result is AuthorizationResult.AUTHORIZED:
                 self._hand_over(lease)
@@ -543,7 +539,6 @@ class ExportActivities:
                         evidence_then_outcome, retryable=errors.is_transient,
                         patience=self.settings.store_outage_patience_seconds, first_delay=0.5, max_delay=5.0,
                         what=f"the outcome of {job.id} attempt {attempt_id} waits for the database")
-                    metrics.ended(outcome, written)
         finally:
             remove_local_file(file.path)
             await lease.finish()

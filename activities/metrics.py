@@ -55,11 +55,9 @@ STORE_READ_FAILURES = Counter("exports_metrics_store_read_failures", "Failed rea
 STORE_READ_AT = Gauge("exports_metrics_store_read_timestamp_seconds", "When the gauges above were last read")
 
 
-def ended(status: Any, written: bool) -> bool:
-    """Count a terminal write that changed the row; returns `written`, so that it can wrap the write's call."""
-    if written:
-        ENDED.labels(status=str(status)).inc()
-    return written
+def ended(status: Any) -> None:
+    """A settled state recorded: the store's `on_ended` in the worker, and recovery's own resolutions."""
+    ENDED.labels(status=str(status)).inc()
 
 
 # Kinds of recovery's takeovers that end the attempt, and the state they write (store/recovery.py).
@@ -71,7 +69,7 @@ def takeover(kind: str | None) -> None:
         return
     TAKEOVERS.labels(kind=kind).inc()
     if kind in _TAKEOVER_ENDS:
-        ENDED.labels(status=_TAKEOVER_ENDS[kind]).inc()
+        ended(_TAKEOVER_ENDS[kind])
 
 
 def swept(kind: str, count: int) -> int:
@@ -121,6 +119,7 @@ def timed_stop(job_id: UUID, attempt_id: UUID, on_stop: Callable[[], None]) -> C
 
 
 def stop_written(job_id: UUID, attempt_id: UUID) -> None:
+    """A build's Stopped write committed: timed from when its stop was confirmed (the store counts the write)."""
     heard_at = _stops_heard.pop((job_id, attempt_id), None)
     if heard_at is not None:
         STOP_LATENCY.observe(time.monotonic() - heard_at)
@@ -163,9 +162,3 @@ async def keep_reading_store_gauges(dsn: str, every: float) -> None:
             STORE_READ_FAILURES.inc()
             log.warning("could not read the metrics gauges from PostgreSQL: %s: %s", type(exc).__name__, exc)
         await asyncio.sleep(every)
-
-
-def stopped_while_building(job_id: UUID, attempt_id: UUID) -> None:
-    """A build's Stopped write committed: counted, and timed from when its stop was confirmed."""
-    ENDED.labels(status="Stopped").inc()
-    stop_written(job_id, attempt_id)

@@ -79,7 +79,8 @@ class RecoveryActivities:
             "resolution": resolution.value, "summary": summary})
         changed = await self.recovery.resolve(row.id, row.attempt_id, resolution, summary, run_id,
                                               confirmed_by=confirmed_by)
-        metrics.ended(resolution, changed)
+        if changed:
+            metrics.ended(resolution)
         return (RESOLVED if changed else None), summary
 
     async def _look(self, row: JobRow, config: partner.DestinationConfig | None) -> FinalLook | None:

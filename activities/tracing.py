@@ -29,15 +29,12 @@ def configure(settings: Settings) -> bool:
     """The global tracer provider and its exporter, as EXPORTS_TRACING asks. False when tracing stays off."""
     if settings.tracing == "off":
         return False
-    try:
-        from opentelemetry import trace
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
-    except ImportError as exc:
-        log.error("EXPORTS_TRACING=%s, but OpenTelemetry is not installed (%s): pip install opentelemetry-api "
-                  "opentelemetry-sdk; the worker runs untraced", settings.tracing, exc)
-        return False
+    # Imported only when asked for: a worker that does not trace pays nothing at start.
+    from opentelemetry import trace
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
     if settings.tracing == "console":
         exporter = ConsoleSpanExporter()
     else:
@@ -66,11 +63,8 @@ def traced(client: Client, settings: Settings) -> Client:
     interceptor, so activities and workflows are traced too."""
     if settings.tracing == "off":
         return client
-    try:
-        from temporalio.contrib.opentelemetry import TracingInterceptor
-    except ImportError as exc:
-        log.error("tracing asked for, but its interceptor cannot be loaded (%s): the worker runs untraced", exc)
-        return client
+    from temporalio.contrib.opentelemetry import TracingInterceptor
+
     config = client.config()
     config["interceptors"] = [*config["interceptors"], TracingInterceptor()]
     return Client(**config)

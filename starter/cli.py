@@ -36,7 +36,6 @@ from starter.client import (
 )
 from starter.destinations import destinations_app
 from starter import temporal as temporal_connections
-from starter.logs import configure_logging
 from starter.temporal import CONNECT_TIMEOUT_SECONDS, Unreachable, address_setting, connect_temporal, short_reason
 from store import errors
 from store.errors import StoreError
@@ -436,8 +435,7 @@ def worker() -> None:
         await connect_temporal(_settings(), timeout=CONNECT_TIMEOUT_SECONDS)
 
     asyncio.run(reachable())
-    # EXPORTS_LOG_FORMAT / EXPORTS_LOG_LEVEL, as `python -m worker` has them.
-    configure_logging(_settings()).addFilter(worker_process.OneLineFailures())
+    worker_process.configure_worker_logging(_settings())
     asyncio.run(worker_process.main())
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 from uuid import UUID
 
@@ -54,11 +55,15 @@ class JobStore:
         lease_seconds: float,
         lock_timeout_ms: int = 2000,
         reread_timeout_seconds: float = 5.0,
+        on_ended: Callable[[Status], None] = lambda status: None,
     ) -> None:
         self.engine = engine
         self.lease_seconds = lease_seconds
         self.lock_timeout_ms = lock_timeout_ms
         self.reread_timeout_seconds = reread_timeout_seconds
+        # Told of each settled state this store recorded (a rejection, an attempt's terminal write): the worker's
+        # metrics count them here, once, whichever step wrote them.
+        self.on_ended = on_ended
 
     async def _write(self, name: str, **params: Any) -> int:
         return await write(self.engine, name, **params)
@@ -170,7 +175,10 @@ class JobStore:
             raise errors.StoreError(f"creation of export {job_id} inserted {inserted} outbox rows")
 
     async def reject(self, job_id: UUID, checked_version: int, reason: str) -> bool:
-        return await self._write("reject", job_id=job_id, checked_version=checked_version, reason=reason) == 1
+        if await self._write("reject", job_id=job_id, checked_version=checked_version, reason=reason) != 1:
+            return False
+        self.on_ended(Status.REJECTED)
+        return True
 
     # --- the attempt --------------------------------------------------------------------------------------------
 
@@ -323,6 +331,16 @@ class JobStore:
         """A terminal write with the claim's shape: whether this attempt's terminal state is recorded. On an
         uncertain error or no row, the row is asked; if that fails too, False, and recovery resolves the job (or,
         with `unanswered_raises`, the re-read's error)."""
+        recorded = await self._finish_or_reread(name, kind, expected, code, unanswered_raises=unanswered_raises,
+                                                **params)
+        if recorded:
+            self.on_ended(expected)
+        return recorded
+
+    async def _finish_or_reread(
+        self, name: str, kind: str, expected: Status, code: FailureCode | None, *, unanswered_raises: bool,
+        **params: Any
+    ) -> bool:
         job_id, attempt_id = params["job_id"], params["attempt_id"]
         try:
             if await self._write(name, **params) == 1:
