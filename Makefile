@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench lock clean
+.PHONY: run test bench histories lock clean
 
 # Every install is constrained by the lock file: the versions tested are the versions run (the image uses it too).
 $(STAMP): pyproject.toml requirements/lock.txt
@@ -20,6 +20,12 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/python -m bench.run $(BENCH_ARGS)
+
+# Records the workflow histories that the replay tests replay (tests/replay/histories/), against the real
+# components, then replays them all; docs/changing-workflows.md says when, and which files to keep first.
+histories: $(STAMP)
+	$(VENV)/bin/pytest tests/replay/record_histories.py
+	$(VENV)/bin/pytest -q tests/replay
 
 # After a change to the dependencies in pyproject.toml: resolve them all again, runtime and extras, to exact versions.
 lock: $(STAMP)

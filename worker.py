@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -43,6 +43,13 @@ from workflows.recovery import PartnerSweepWorkflow, RecoveryWorkflow, SweeperWo
 
 log = logging.getLogger("exports.worker")
 
+# What the worker runs and how: the replay test (tests/replay) replays recorded histories with the same.
+WORKFLOWS = [ExportWorkflow, RecoveryWorkflow, SweeperWorkflow, PartnerSweepWorkflow]
+
+
+def workflow_interceptors() -> list[ClassifyStoreErrors]:
+    return [ClassifyStoreErrors()]
+
 
 def new_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -50,9 +57,11 @@ def new_worker_id() -> str:
 
 @asynccontextmanager
 async def running_worker(
-    settings: Settings, client: Client, *, with_dispatcher: bool = True
+    settings: Settings, client: Client, *, with_dispatcher: bool = True, health: endpoint.Health | None = None,
 ) -> AsyncIterator[ExportActivities]:
-    """The worker's pollers (and dispatcher) run while the context is open; closing it shuts them down."""
+    """The worker's pollers (and dispatcher) run while the context is open; closing it shuts them down. `health`,
+    when given, is kept up to date for the probes."""
+    health = health if health is not None else endpoint.Health()
     engine = make_engine(settings.database_url, pool_size=settings.database_pool_size,
                          max_overflow=settings.database_max_overflow)
     store = JobStore(
@@ -72,13 +81,14 @@ async def running_worker(
     common = dict(
         max_heartbeat_throttle_interval=throttle,
         default_heartbeat_throttle_interval=throttle,
-        interceptors=[ClassifyStoreErrors()],
+        interceptors=workflow_interceptors(),
         graceful_shutdown_timeout=timedelta(seconds=settings.shutdown_grace_seconds),
+        on_fatal_error=_record_fatal(health),
     )
     shared = Worker(
         client,
         task_queue=settings.task_queue,
-        workflows=[ExportWorkflow, RecoveryWorkflow, SweeperWorkflow, PartnerSweepWorkflow],
+        workflows=WORKFLOWS,
         activities=activities.all() + recovery.all(),
         **common,
     )
@@ -103,6 +113,9 @@ async def running_worker(
                     poll_seconds=settings.dispatcher_poll_seconds,
                 )
                 dispatcher_task = asyncio.create_task(dispatcher.run(stop), name="outbox-dispatcher")
+                dispatcher_task.add_done_callback(lambda task: stop.is_set() or _dispatcher_died(task))
+                health.dispatcher = dispatcher_task
+            health.workers = (shared, own)
             scavenger = asyncio.create_task(
                 keep_scavenging(store, Path(settings.work_dir), settings.scavenge_interval_seconds),
                 name="scavenger")
@@ -116,15 +129,32 @@ async def running_worker(
                 await asyncio.gather(shared.shutdown(), own.shutdown())
                 scavenger.cancel()
                 await asyncio.gather(scavenger, return_exceptions=True)
+                health.dispatcher = None  # asked to end: its end is no longer a failure
                 stop.set()
                 if dispatcher_task is not None:
-                    await dispatcher_task
+                    # An end that came earlier, unasked, was logged then and is on /livez.
+                    await asyncio.gather(dispatcher_task, return_exceptions=True)
     finally:
         # Handed-over leases of attempts whose next step will not run here: left to lapse for recovery.
         await activities.close()
         if dispatcher_engine is not None:
             await dispatcher_engine.dispose()
         await engine.dispose()
+
+
+def _dispatcher_died(task: asyncio.Task[None]) -> None:
+    error = None if task.cancelled() else task.exception()
+    log.error("the outbox dispatcher stopped%s; /livez says so, so that the process is restarted",
+              f": {errors.describe(error)}" if error else "")
+
+
+def _record_fatal(health: endpoint.Health) -> Callable[[BaseException], Awaitable[None]]:
+    async def record(error: BaseException) -> None:
+        # The SDK shuts the failed worker down and ends the process's `async with`: until then, the probes say so.
+        health.fatal = errors.describe(error)
+        log.error("a Temporal worker failed, the process exits: %s", health.fatal)
+
+    return record
 
 
 async def connect_when_reachable(settings: Settings, stopping: asyncio.Event) -> Client | None:
@@ -159,8 +189,7 @@ async def main() -> None:
     # Nothing at start assumes PostgreSQL answers either: the scavenger, the dispatcher and every step retry.
     client = await connect_when_reachable(settings, stopping)
     if client is not None:
-        async with running_worker(settings, tracing.traced(client, settings)):
-            observing.polling = True  # /readyz: 200 from here until SIGTERM
+        async with running_worker(settings, tracing.traced(client, settings), health=observing.health):
             await stopping.wait()
             # An upload ignores its cancellation, so the SDK's shutdown could wait for it: bound the exit.
             loop.call_later(settings.shutdown_grace_seconds + 5, _exit_past_the_bound)

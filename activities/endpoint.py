@@ -4,9 +4,11 @@
   Prometheus text on an address of its own (a Rust server in its runtime), so this port fetches it from there on
   each scrape (loopback, bounded) and appends it: one scrape target gives both. The SDK's address is
   EXPORTS_SDK_METRICS_BIND_ADDRESS:EXPORTS_SDK_METRICS_PORT, 127.0.0.1 and a free port by default.
-- /livez: 200 whenever the process's event loop answers (this server runs on it).
-- /readyz: 200 only while the worker polls: its Temporal client connected and its workers running, and no
-  SIGTERM received; 503 before and during the drain.
+- /livez: 200 while the process's event loop answers (this server runs on it) and no part of the worker has
+  died for good: a Temporal worker's fatal error (the process is on its way out) or an outbox dispatcher that
+  ended without being asked to. Then 503, so that the pod is restarted.
+- /readyz: 200 only while the worker polls: its Temporal client connected, both its Temporal workers running
+  (the shared queue and its own), and no SIGTERM received; 503 before, during the drain, and once a worker stops.
 
 A plain asyncio server, so that it runs on the worker's own loop and needs nothing else. It never raises into
 the worker: a port it cannot bind, a request it cannot parse, an SDK endpoint that does not answer are logged
@@ -19,7 +21,9 @@ import asyncio
 import logging
 import socket
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
@@ -66,21 +70,53 @@ def install_sdk_runtime(settings: Settings) -> str | None:
     return address
 
 
+class Polls(Protocol):
+    @property
+    def is_running(self) -> bool: ...
+
+
+@dataclass
+class Health:
+    """What the probes ask of the running worker; filled in by worker.running_worker as its parts start."""
+
+    workers: Sequence[Polls] = ()  # the Temporal workers, once started
+    dispatcher: asyncio.Task[None] | None = None
+    fatal: str | None = None  # a Temporal worker's fatal error, as the SDK reported it
+
+    def broken(self) -> str | None:
+        """A part that will not come back without a restart, or None."""
+        if self.fatal is not None:
+            return f"a Temporal worker failed: {self.fatal}"
+        if self.dispatcher is not None and self.dispatcher.done():
+            error = None if self.dispatcher.cancelled() else self.dispatcher.exception()
+            return "the outbox dispatcher stopped" + (f": {type(error).__name__}: {error}" if error else "")
+        return None
+
+    def polling(self) -> bool:
+        return bool(self.workers) and all(worker.is_running for worker in self.workers)
+
+
 @dataclass
 class Observing:
-    """What the HTTP port reports. `polling` is set by the worker once its workers run; `stopping` is the
-    worker's SIGTERM event."""
+    """What the HTTP port reports: the worker's `health`, and `stopping`, the worker's SIGTERM event."""
 
     settings: Settings
     stopping: asyncio.Event
     sdk_address: str | None = None
-    polling: bool = False
+    health: Health = field(default_factory=Health)
     server: asyncio.AbstractServer | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
-    @property
-    def ready(self) -> bool:
-        return self.polling and not self.stopping.is_set()
+    def not_ready(self) -> str | None:
+        """Why /readyz says 503, or None."""
+        if self.stopping.is_set():
+            return "stopping"
+        broken = self.health.broken()
+        if broken is not None:
+            return broken
+        if not self.health.polling():
+            return "not polling" if self.health.workers else "not polling yet"
+        return None
 
     async def serve(self) -> None:
         """Open the HTTP port and start the gauges' reader. Never raises."""
@@ -135,11 +171,14 @@ class Observing:
             return "405 Method Not Allowed", "text/plain", b"GET only\n"
         path = parts[1].split("?", 1)[0]
         if path == "/livez":
-            return "200 OK", "text/plain", b"ok\n"
+            broken = self.health.broken()
+            if broken is None:
+                return "200 OK", "text/plain", b"ok\n"
+            return "503 Service Unavailable", "text/plain", f"{broken}\n".encode()
         if path == "/readyz":
-            if self.ready:
+            why = self.not_ready()
+            if why is None:
                 return "200 OK", "text/plain", b"polling\n"
-            why = "stopping" if self.stopping.is_set() else "not polling yet"
             return "503 Service Unavailable", "text/plain", f"{why}\n".encode()
         if path == "/metrics":
             return "200 OK", CONTENT_TYPE_LATEST, generate_latest() + await self.sdk_metrics()

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 from activities import outcomes
-from activities.partner import PartnerContract
+from activities.destination import PartnerContract
 from store import errors
 from store.models import JobRow, Status
 

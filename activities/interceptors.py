@@ -15,6 +15,7 @@ from temporalio.worker import (
     Interceptor,
 )
 
+from activities import error_types
 from store import errors
 
 MAX_MESSAGE = 300
@@ -35,7 +36,7 @@ class _ClassifyingInbound(ActivityInboundInterceptor):
             if not errors.is_deterministic(exc):
                 raise
             activity.logger.warning("%s refused for good: %s", activity.info().activity_type, one_line(exc))
-            raise ApplicationError(one_line(exc), type=type(exc).__name__, non_retryable=True) from None
+            raise error_types.store_refusal(exc, one_line(exc)) from None
 
 
 class ClassifyStoreErrors(Interceptor):

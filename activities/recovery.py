@@ -11,8 +11,7 @@ from typing import Any
 from temporalio import activity
 from temporalio.client import Client
 
-from activities import evidence, metrics, partner
-from activities.outcomes import FinalLook
+from activities import evidence, metrics
 from activities.contracts import (
     Candidate,
     DestinationRef,
@@ -22,11 +21,15 @@ from activities.contracts import (
     TakeoverOutput,
     Wake,
 )
+from activities.destination import DestinationConfig, PartnerContract
+from activities.outcomes import FinalLook
+from activities.partner_delivery import sweep_temp_files
+from activities.partner_files import look_at_final
 from store.jobs import JobStore
 from store.models import JobRow, Status
 from store.recovery import Candidate as StoreCandidate
 from store.recovery import RESOLVED, Recovery
-from store.sweeper import sweep_all
+from workflows.identity import export_workflow_id
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +71,9 @@ class RecoveryActivities:
             return None, "moved on since the scan"
         events, _ = await self.store.history(row.id)
         destination = await self.store.read_destination(row.tenant_id, row.destination_id)
-        config = partner.DestinationConfig.from_row(destination) if destination is not None else None
+        config = DestinationConfig.from_row(destination) if destination is not None else None
         look = await self._look(row, config)
-        contract = config.contract if config is not None else partner.PartnerContract()
+        contract = config.contract if config is not None else PartnerContract()
         resolution, summary, confirmed_by = evidence.judge(row, evidence.attempt_evidence(events, row.attempt_id),
                                                            look, contract)
         # Recovery's own look at the destination is evidence too; reconciliation reads it later.
@@ -83,11 +86,11 @@ class RecoveryActivities:
             metrics.ended(resolution)
         return (RESOLVED if changed else None), summary
 
-    async def _look(self, row: JobRow, config: partner.DestinationConfig | None) -> FinalLook | None:
+    async def _look(self, row: JobRow, config: DestinationConfig | None) -> FinalLook | None:
         if config is None or row.expected_file_name is None:
             return None
         try:
-            return await partner.look_at_final(config, row.expected_file_name)
+            return await look_at_final(config, row.expected_file_name)
         except Exception as exc:
             log.warning("recovery could not look at %s for %s: %s", row.expected_file_name, row.id, exc)
             return None
@@ -96,14 +99,14 @@ class RecoveryActivities:
         """Tell the export's workflow to read its row again; the row, not this message, says what happened."""
         try:
             client = self._client or activity.client()
-            await client.get_workflow_handle(f"export-{job_id}").signal("wake", Wake(message_id=uuid.uuid4()))
+            await client.get_workflow_handle(export_workflow_id(job_id)).signal("wake", Wake(message_id=uuid.uuid4()))
         except Exception as exc:  # no running workflow: it will read the row when it next runs
             log.info("could not wake the workflow of %s: %s", job_id, exc)
 
     @activity.defn
     async def sweep(self, request: SweepInput) -> int:
-        return metrics.swept("queued", await sweep_all(
-            self.store.engine, threshold_seconds=request.threshold_seconds, batch=request.batch))
+        return metrics.swept("queued", await self.recovery.sweep_all(
+            threshold_seconds=request.threshold_seconds, batch=request.batch))
 
     @activity.defn
     async def list_destinations(self) -> list[DestinationRef]:
@@ -118,8 +121,8 @@ class RecoveryActivities:
         if row is None:
             return PartnerSweepOutput(destination_id=ref.destination_id, error="no such destination")
         try:
-            found = await partner.sweep_temp_files(
-                partner.DestinationConfig.from_row(row), is_live=self.store.attempt_delivering,
+            found = await sweep_temp_files(
+                DestinationConfig.from_row(row), is_live=self.store.attempt_delivering,
                 is_ours=lambda name: self.store.final_name_in_use(ref.destination_id, name))
         except Exception as exc:
             log.warning("could not sweep the temporary files of destination %s: %s", ref.destination_id, exc)

@@ -20,7 +20,6 @@ from starter.localstack.seed import seed_destination
 from store.db import asyncpg_dsn, make_engine
 from store.recovery import Recovery
 from store.settings import Settings
-from store.sweeper import sweep_all
 
 DUE = 1000
 THRESHOLD = 600.0  # the sweeper's: a wake-up older than this is due
@@ -79,7 +78,7 @@ async def _measure_one(rows: int, settings: Settings) -> tuple[float, float]:
         sweeps = []
         for _ in range(SWEEP_ROUNDS):
             started = time.perf_counter()
-            swept = await sweep_all(engine, threshold_seconds=THRESHOLD, batch=settings.sweeper_batch)
+            swept = await recovery.sweep_all(threshold_seconds=THRESHOLD, batch=settings.sweeper_batch)
             sweeps.append(time.perf_counter() - started)
             if swept != DUE:
                 raise RuntimeError(f"expected {DUE} sweeps, got {swept}")

@@ -16,7 +16,7 @@ import time
 import uuid
 from pathlib import Path
 
-from activities import partner
+from activities.partner_delivery import deliver
 from bench.table import Row, middle
 from tests.openssh_partner import SSHD, OpenSshPartner
 
@@ -43,8 +43,8 @@ async def _deliver(server: OpenSshPartner, local: Path, name: str) -> None:
     async def record(_: dict) -> None:
         return None
 
-    result = await partner.deliver(server.destination(), str(local), name, f".{name}.{uuid.uuid4()}.part",
-                                   record_evidence=record)
+    result = await deliver(server.destination(), str(local), name, f".{name}.{uuid.uuid4()}.part",
+                           record_evidence=record)
     if result.outcome != "Completed":
         raise RuntimeError(f"delivery did not complete: {result.summary}")
 

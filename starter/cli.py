@@ -41,6 +41,7 @@ from store import errors
 from store.errors import StoreError
 from store.models import CancellationOutcome, CancellationResult
 from store.settings import Settings, get_settings
+from store.statements import RoleStore
 
 T = TypeVar("T")
 
@@ -181,11 +182,11 @@ def _settings() -> Settings:
 
 async def _reach_database(url: str, setting: str) -> None:
     """Unreachable unless PostgreSQL at this URL answers a connection within the bound."""
-    engine = database_engine(url, setting, pool_size=1)
+    role = RoleStore(database_engine(url, setting, pool_size=1))
     try:
-        await check_database(engine, setting)
+        await check_database(role, setting)
     finally:
-        await engine.dispose()
+        await role.aclose()
 
 
 def _run(body: Callable[[ExportsClient], Awaitable[T]], *, temporal: bool = False, database: bool = True) -> T:

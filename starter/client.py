@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,15 +19,15 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.contracts import CancelRequest, CreateExport, ExportInput, ExportResult, Name, Text
-from starter.temporal import CONNECT_TIMEOUT_SECONDS, Unreachable, workflow_id
-from workflows.export import DELIVERY_KEY, EXPORT_ATTEMPTS, EXPORT_STATUS, EXPORT_TENANT
+from starter.temporal import CONNECT_TIMEOUT_SECONDS, Unreachable
+from workflows.identity import DELIVERY_KEY, EXPORT_ATTEMPTS, EXPORT_STATUS, EXPORT_TENANT, export_workflow_id
 from store import errors
 from store.db import make_engine
 from store.jobs import JobStore
 from store.models import CancellationResult, FailureCode, JobRow, Status
-from store.reconciliation import correct, reconcile
+from store.reconciliation import Reconciliation
 from store.settings import Settings
-from store.terms import create_replacement, edit_terms
+from store.statements import RoleStore
 
 # What PostgreSQL's integer columns store (export_jobs.version).
 INT4_MAX = 2**31 - 1
@@ -172,11 +173,11 @@ class ExportsClient:
         )
 
     async def close(self) -> None:
-        await self.store.engine.dispose()
+        await self.store.aclose()
 
     async def check_database(self) -> None:
         """One connection and `SELECT 1`: `Unreachable` if PostgreSQL cannot be reached; nothing is written."""
-        await check_database(self.store.engine, "EXPORTS_DATABASE_URL")
+        await check_database(self.store, "EXPORTS_DATABASE_URL")
 
     async def create(
         self,
@@ -209,7 +210,7 @@ class ExportsClient:
         return await self._temporal().start_workflow(
             "ExportWorkflow",
             ExportInput(job_id=request.job_id, create=request),
-            id=workflow_id(request.job_id),
+            id=export_workflow_id(request.job_id),
             task_queue=self.task_queue,
             result_type=ExportResult,
         )
@@ -260,7 +261,7 @@ class ExportsClient:
         if self.temporal is None:
             return
         try:
-            await self.temporal.get_workflow_handle(workflow_id(job_id)).signal("cancel", request)
+            await self.temporal.get_workflow_handle(export_workflow_id(job_id)).signal("cancel", request)
         except RPCError as exc:
             # A workflow that is not running finds the outcome when it next reads the row.
             if exc.status is not RPCStatusCode.NOT_FOUND:
@@ -313,7 +314,7 @@ class ExportsClient:
             overwrite_agreement_ref=overwrite_agreement_ref,
         )
         try:
-            await create_replacement(self.store.engine, **request.model_dump())
+            await self.store.create_replacement(**request.model_dump())
         except (errors.NotReplaceable, errors.ConstraintViolation) as exc:
             raise InputError(str(exc)) from None
         return request.job_id
@@ -339,7 +340,7 @@ class ExportsClient:
         if await self.store.read_job(request.job_id, tenant_id=request.tenant_id) is None:
             raise InputError(f"export {request.job_id} not found for tenant {request.tenant_id}")
         try:
-            return await edit_terms(self.store.engine, **request.model_dump())
+            return await self.store.edit_terms(**request.model_dump())
         except errors.ConstraintViolation as exc:
             raise InputError(str(exc)) from None
 
@@ -364,8 +365,8 @@ class ExportsClient:
             reconciled_by=reconciled_by,
             evidence_summary=evidence,
         )
-        async with self._reconciler() as engine:
-            return await reconcile(engine, **request.model_dump())
+        async with self._reconciler() as reconciliation:
+            return await reconciliation.reconcile(**request.model_dump())
 
     async def correct(
         self,
@@ -399,23 +400,23 @@ class ExportsClient:
             evidence_ref=evidence_ref,
             why=why,
         )
-        async with self._reconciler() as engine:
+        async with self._reconciler() as reconciliation:
             try:
-                return await correct(engine, **request.model_dump())
+                return await reconciliation.correct(**request.model_dump())
             except errors.TransitionAlreadyRecorded:
                 raise InputError("this attempt's outcome was already corrected once") from None
 
     @asynccontextmanager
-    async def _reconciler(self):
+    async def _reconciler(self) -> AsyncIterator[Reconciliation]:
         setting = "EXPORTS_RECONCILIATION_DATABASE_URL"
         if not self.reconciliation_url:
             raise Unreachable("PostgreSQL", setting, "", "no URL for the reconciliation role configured")
-        engine = database_engine(self.reconciliation_url, setting, pool_size=1)
+        reconciliation = Reconciliation(database_engine(self.reconciliation_url, setting, pool_size=1))
         try:
-            await check_database(engine, setting)
-            yield engine
+            await check_database(reconciliation, setting)
+            yield reconciliation
         finally:
-            await engine.dispose()
+            await reconciliation.aclose()
 
     async def list(
         self, *, status: str | None = None, tenant_id: str | uuid.UUID | None = None, limit: int = 50
@@ -471,14 +472,13 @@ def database_engine(url: str, setting: str, *, pool_size: int) -> AsyncEngine:
     return engine
 
 
-async def check_database(engine: AsyncEngine, setting: str) -> None:
+async def check_database(store: RoleStore, setting: str) -> None:
     """One connection and `SELECT 1`, bounded: `Unreachable` when PostgreSQL refuses the connection, does not
     answer, does not know the role or the database, or is not accepting connections."""
-    where = engine.url.render_as_string(hide_password=True)
+    where = store.address
     try:
         async with asyncio.timeout(CONNECT_TIMEOUT_SECONDS + 1):
-            async with engine.connect() as conn:
-                await conn.exec_driver_sql("SELECT 1")
+            await store.ping()
     except TimeoutError:
         raise Unreachable("PostgreSQL", setting, where, f"no answer within {CONNECT_TIMEOUT_SECONDS:g} s") from None
     except Exception as exc:

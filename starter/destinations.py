@@ -1,7 +1,7 @@
 """`exports destinations`: a partner's destination written, listed and checked.
 
 `add` and `update` write as the owner role (EXPORTS_OWNER_DATABASE_URL): only the owner may write destinations.
-Every write is checked first by `activities.partner.validate_destination`, the check that also makes the worker
+Every write is checked first by `activities.destination.validate_destination`, the check that also makes the worker
 reject an export to a destination that does not pass it, before its claim; and a `file:` credential must be a
 private key readable here when it is written. An `env:` credential names a variable of the worker's environment,
 so it is looked up by `check`, on the machine that checks, not when it is written.
@@ -28,12 +28,14 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from activities import partner
+from activities.destination import DestinationConfig, InvalidDestination, PartnerContract, validate_destination
+from activities.partner_connection import HostKeyMismatch, connect, load_client_key, server_host_key
+from activities.partner_delivery import TEMP_NAME
 from activities.sftp_check_file import CheckFileError, check_file_sha256
 from starter.client import InputError, parse_id
 from store import errors
 from store.db import make_engine
-from store.jobs import read_destinations
+from store.jobs import JobStore
 from store.schema import destinations
 from store.settings import get_settings
 
@@ -47,7 +49,7 @@ EXIT_UNREACHABLE = 5  # the database could not be reached (as every `exports` co
 # What `add` writes when not told otherwise: the table's defaults.
 DEFAULTS: dict[str, Any] = {"enabled": True, "name_and_size_identify": False, "hash_evidence": "none",
                             "acknowledgment_dir": None,
-                            "temp_file_max_age_seconds": partner.PartnerContract().temp_file_max_age_seconds}
+                            "temp_file_max_age_seconds": PartnerContract().temp_file_max_age_seconds}
 
 
 # --- the store side -------------------------------------------------------------------------------------------
@@ -82,8 +84,8 @@ async def update_destination(engine: AsyncEngine, tenant_id: uuid.UUID, destinat
 
 def _validated(fields: Mapping[str, Any], *, credential_changed: bool) -> None:
     try:
-        partner.validate_destination(fields)
-    except partner.InvalidDestination as exc:
+        validate_destination(fields)
+    except InvalidDestination as exc:
         raise InputError(str(exc)) from None
     if credential_changed and fields["credential_ref"].startswith("file:"):
         try:
@@ -108,7 +110,7 @@ def load_credential(credential_ref: str) -> asyncssh.SSHKey:
         if not os.access(path, os.R_OK):
             raise CredentialUnusable(f"file:{rest}: not readable by this user")
     try:
-        return partner.load_client_key(credential_ref)
+        return load_client_key(credential_ref)
     except asyncssh.KeyImportError:
         raise CredentialUnusable(f"{credential_ref} holds no private key that can be read without a passphrase"
                                  ) from None
@@ -127,8 +129,8 @@ async def check_destination(row: Mapping[str, Any], say: Callable[[str], None], 
     """Connect as a delivery would and look at the destination's directories, writing nothing. `say` gets one line
     per fact found; the first fact that would stop a delivery raises CheckFailed."""
     try:
-        dest = partner.validate_destination(row)
-    except partner.InvalidDestination as exc:
+        dest = validate_destination(row)
+    except InvalidDestination as exc:
         raise CheckFailed(f"contract: {exc}") from None
     say("contract: valid" + ("" if row["enabled"] else "; the destination is disabled: its exports are Rejected"))
     try:
@@ -140,12 +142,12 @@ async def check_destination(row: Mapping[str, Any], say: Callable[[str], None], 
     where, pinned_text = f"{dest.host}:{dest.port}", f"{pinned.get_algorithm()} {pinned.get_fingerprint()}"
     try:
         async with asyncio.timeout(timeout * 4):
-            async with partner.connect(dest, connect_timeout=timeout) as sftp:
+            async with connect(dest, connect_timeout=timeout) as sftp:
                 say(f"host key: {where} presented the pinned {pinned.get_algorithm()} key "
                     f"({pinned.get_fingerprint()})")
                 say(f"login: accepted as {_shown(dest.username)}")
                 await _look(sftp, dest, say)
-    except partner.HostKeyMismatch:
+    except HostKeyMismatch:
         offered = await _offered_host_key(dest, pinned, timeout)
         raise CheckFailed(f"host key: {where} offered {offered}, not the pinned {pinned_text}; "
                           "the credential was not offered to it") from None
@@ -155,11 +157,11 @@ async def check_destination(row: Mapping[str, Any], say: Callable[[str], None], 
         raise CheckFailed(f"connect: {where}: {_describe(exc)}") from None
 
 
-async def _look(sftp: asyncssh.SFTPClient, dest: partner.DestinationConfig, say: Callable[[str], None]) -> None:
+async def _look(sftp: asyncssh.SFTPClient, dest: DestinationConfig, say: Callable[[str], None]) -> None:
     final = await _entries(sftp, "final_dir", dest.final_dir)
     say(f"final_dir {_shown(dest.final_dir)}: a directory, {_count(final, 'entry', 'entries')}")
     temp = await _entries(sftp, "temp_dir", dest.temp_dir)
-    ours = sum(1 for name in temp if partner._TEMP_NAME.match(name))
+    ours = sum(1 for name in temp if TEMP_NAME.match(name))
     say(f"temp_dir {_shown(dest.temp_dir)}: a directory, {_count(temp, 'entry', 'entries')}"
         + (f", {ours} of them temporary files of ours (removed once older than "
            f"{dest.contract.temp_file_max_age_seconds} s)" if ours else ""))
@@ -194,12 +196,12 @@ async def _entries(sftp: asyncssh.SFTPClient, label: str, path: str) -> list[str
         raise CheckFailed(f"{label} {_shown(path)}: {_describe(exc)}") from None
 
 
-async def _offered_host_key(dest: partner.DestinationConfig, pinned: asyncssh.SSHKey, timeout: float) -> str:
+async def _offered_host_key(dest: DestinationConfig, pinned: asyncssh.SSHKey, timeout: float) -> str:
     """The host key the server offers, trusted for nothing: only to say what it is. The pinned key's type first, as
     a server may hold keys of several types."""
     for algorithms in ([pinned.get_algorithm()], ()):
         try:
-            key = await partner.server_host_key(dest, algorithms, timeout)
+            key = await server_host_key(dest, algorithms, timeout)
         except (asyncssh.Error, OSError, ValueError):
             continue
         if key is not None:
@@ -255,12 +257,18 @@ def _run(body: Callable[[AsyncEngine], Awaitable[T]], *, owner: bool) -> T:
         return asyncio.run(main())
     except InputError as exc:
         fail(f"error: {_shown(exc)}", EXIT_BAD_INPUT)
-    except (SQLAlchemyError, OSError) as exc:
-        answer = errors.translate(exc)
+    except (SQLAlchemyError, OSError, errors.StoreError) as exc:
+        # The store's reads are translated already; the owner's writes here are not.
+        answer = exc if isinstance(exc, errors.StoreError) else errors.translate(exc)
         if isinstance(answer, errors.StoreError):  # a definite refusal, e.g. a role that may not write
             fail(f"refused: {_shown(answer)}", EXIT_REFUSED)
         fail(f"unreachable: the database: {_describe(errors.postgres_error(exc) or exc)}; nothing was written",
              EXIT_UNREACHABLE)
+
+
+def _app_store(engine: AsyncEngine) -> JobStore:
+    """The application role's store on `_run`'s engine (it reads destinations; the owner writes them)."""
+    return JobStore(engine, lease_seconds=get_settings().lease_seconds)
 
 
 def _whole_number(value: str | None, what: str) -> int | None:
@@ -356,7 +364,7 @@ def list_command(tenant: str | None = typer.Option(None, help="only this tenant'
     Reads as the application role (EXPORTS_DATABASE_URL). A credential_ref is a reference, shown; no secret is
     ever read."""
     tenant_id = _parsed(tenant, "tenant ID") if tenant is not None else None
-    rows = _run(lambda engine: read_destinations(engine, tenant_id), owner=False)
+    rows = _run(lambda engine: _app_store(engine).read_destinations(tenant_id), owner=False)
     for row in rows:
         print(_listed(row))
     if not rows:
@@ -371,7 +379,7 @@ def check_command(destination: str = typer.Argument(..., help="destination ID"),
     Exit status 1 with one line on stderr when what it found would stop a delivery. Reads the row as the
     application role (EXPORTS_DATABASE_URL); an env: credential is looked up in this environment."""
     destination_id, tenant_id = _parsed(destination, "destination ID"), _parsed(tenant, "tenant ID")
-    rows = _run(lambda engine: read_destinations(engine, tenant_id, destination_id), owner=False)
+    rows = _run(lambda engine: _app_store(engine).read_destinations(tenant_id, destination_id), owner=False)
     if not rows:
         fail(f"error: destination {destination_id} not found for tenant {tenant_id}")
     try:
@@ -390,9 +398,9 @@ def _parsed(value: str, what: str) -> uuid.UUID:
 
 def _listed(row: Mapping[str, Any]) -> str:
     try:
-        partner.validate_destination(row)
+        validate_destination(row)
         contract = "valid"
-    except partner.InvalidDestination as exc:
+    except InvalidDestination as exc:
         contract = f"not valid: {exc}"
     try:
         key = asyncssh.import_public_key(row["host_key"])

@@ -25,7 +25,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from temporalio.client import Client
 
 from activities.contracts import ExportInput, Wake
-from starter.temporal import short_reason, workflow_id
+from starter.temporal import short_reason
+from workflows.identity import export_workflow_id
 from store import errors
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class OutboxDispatcher:
         await self.client.start_workflow(
             "ExportWorkflow",
             ExportInput(job_id=job_id),
-            id=workflow_id(job_id),
+            id=export_workflow_id(job_id),
             task_queue=self.task_queue,
             start_signal="wake",
             start_signal_args=[Wake(message_id=message_id)],

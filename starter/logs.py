@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import sys
-import uuid
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import IO, Any
@@ -22,22 +20,9 @@ from temporalio import activity, workflow
 from temporalio.runtime import LogForwardingConfig, LoggingConfig, TelemetryFilter
 
 from store.settings import Settings
+from workflows.identity import job_id_of
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
-_EXPORT_WORKFLOW_ID = re.compile(r"^export-([0-9a-fA-F-]{36})$")
-
-
-def job_id_of(workflow_id: object) -> str | None:
-    """The export's ID when the workflow ID is `export-<uuid>`, else None (recovery, sweeper, ...)."""
-    found = _EXPORT_WORKFLOW_ID.match(workflow_id) if isinstance(workflow_id, str) else None
-    if found is None:
-        return None
-    try:
-        return str(uuid.UUID(found.group(1)))
-    except ValueError:
-        return None
-
-
 def record_context(record: logging.LogRecord) -> dict[str, Any]:
     """The Temporal context of a record, flattened: only the keys that have a value."""
     found: dict[str, Any] = {}

@@ -214,6 +214,3 @@ def short_reason(exc: BaseException) -> str:
     messages = re.findall(r'message: "([^"]*)"', text)
     return messages[-1].lower() if messages else text.splitlines()[0]
 
-
-def workflow_id(job_id: object) -> str:
-    return f"export-{job_id}"

@@ -10,11 +10,11 @@ from __future__ import annotations
 import logging
 from uuid import UUID
 
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from store import errors
 from store.models import CancellationOutcome, CancellationResult, JobRow, Status
-from store.statements import fetch_one, statement
+from store.statements import Database, fetch_one, statement
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,8 @@ def decide_cancellation(row: JobRow) -> CancellationOutcome:
     return _OUTCOME_BY_STATUS[row.status]
 
 
-async def request_cancellation(
-    engine: AsyncEngine,
+async def record(
+    db: Database,
     lock_timeout_ms: int,
     *,
     tenant_id: UUID,
@@ -50,20 +50,22 @@ async def request_cancellation(
     requested_by: str,
     reason: str | None,
 ) -> CancellationResult:
+    """JobStore.request_cancellation: the transaction this module describes, on the application role's Database."""
     try:
-        async with engine.begin() as conn:
-            return await _decide_and_record(conn, lock_timeout_ms, tenant_id, job_id, request_id, requested_by,
-                                            reason)
+        async with db.transaction() as conn:
+            return await _decide_and_record(db, conn, lock_timeout_ms, tenant_id, job_id, request_id,
+                                            requested_by, reason)
+    except errors.CancellationRequestExists:
+        # The same (tenant, request ID) committed first under another job's lock; this transaction has rolled
+        # back. Answer from that record, with the same job and operator check.
+        async with db.connection() as conn:
+            recorded = await _recorded(conn, tenant_id, job_id, request_id, requested_by)
+        if recorded is not None:
+            return recorded
+        raise
     except Exception as exc:
         if errors.is_lock_timeout(exc):
             return CancellationResult(request_id=request_id, outcome=CancellationOutcome.BUSY, job_id=job_id)
-        if isinstance(errors.translate(exc), errors.CancellationRequestExists):
-            # The same (tenant, request ID) committed first under another job's lock; this transaction has rolled
-            # back. Answer from that record, with the same job and operator check.
-            async with engine.connect() as conn:
-                recorded = await _recorded(conn, tenant_id, job_id, request_id, requested_by)
-            if recorded is not None:
-                return recorded
         raise
 
 
@@ -87,6 +89,7 @@ async def _recorded(
 
 
 async def _decide_and_record(
+    db: Database,
     conn: AsyncConnection,
     lock_timeout_ms: int,
     tenant_id: UUID,
@@ -112,9 +115,9 @@ async def _decide_and_record(
     outcome = decide_cancellation(found)
     keys = {"job_id": job_id, "tenant_id": tenant_id, "request_id": request_id}
     if outcome is CancellationOutcome.CANCELED_WHILE_QUEUED:
-        changed = (await conn.execute(statement("cancel_queued"), keys)).rowcount
+        changed = (await db.write("cancel_queued", conn=conn, **keys)).count
     elif outcome is CancellationOutcome.STOP_REQUESTED:
-        changed = (await conn.execute(statement("request_stop"), keys)).rowcount
+        changed = (await db.write("request_stop", conn=conn, **keys)).count
     else:
         changed = 1  # these outcomes change nothing on the job
     if changed != 1:
@@ -123,20 +126,19 @@ async def _decide_and_record(
         raise errors.StoreError(f"export {job_id} changed under its row lock")
 
     recorded = (
-        await conn.execute(
-            statement("cancel_record_request"),
-            {
-                **keys,
-                "requested_by": requested_by,
-                "reason": reason,
-                "outcome": outcome.value,
-                "found_status": found.status.value,
-                "found_attempt_id": found.attempt_id,
-                "found_attempt_count": found.attempt_count,
-                "found_delivery_authorized_at": found.delivery_authorized_at,
-            },
+        await db.write(
+            "cancel_record_request",
+            conn=conn,
+            **keys,
+            requested_by=requested_by,
+            reason=reason,
+            outcome=outcome.value,
+            found_status=found.status.value,
+            found_attempt_id=found.attempt_id,
+            found_attempt_count=found.attempt_count,
+            found_delivery_authorized_at=found.delivery_authorized_at,
         )
-    ).rowcount
+    ).count
     if recorded != 1:
         raise errors.StoreError(f"cancellation request {request_id} was not recorded")
     if outcome is CancellationOutcome.STOP_REQUESTED:

@@ -1,8 +1,9 @@
-"""One async method per domain operation on a job. Every write is the documented conditional statement."""
+"""The application role's store: one async method per domain operation on a job, its cancellation, its terms and
+replacement, and the destinations it reads. Every write is the documented conditional statement, run through
+store/statements.py's Database."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import Callable
@@ -12,8 +13,7 @@ from uuid import UUID
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from store import errors
-from store.cancellation import request_cancellation
+from store import cancellation, errors, terms
 from store.models import (
     AuthorizationResult,
     BuiltFile,
@@ -24,20 +24,9 @@ from store.models import (
     Status,
 )
 from store.schema import cancellation_requests, destinations, export_attempt_events, export_jobs
-from store.statements import statement, write
+from store.statements import Reread, RoleStore
 
 log = logging.getLogger(__name__)
-
-async def read_destinations(engine: AsyncEngine, tenant_id: UUID | None = None,
-                            destination_id: UUID | None = None) -> list[dict[str, Any]]:
-    """Destinations, all of them or one tenant's (or one), by tenant, name and ID."""
-    query = select(destinations).order_by(destinations.c.tenant_id, destinations.c.name, destinations.c.id)
-    if tenant_id is not None:
-        query = query.where(destinations.c.tenant_id == tenant_id)
-    if destination_id is not None:
-        query = query.where(destinations.c.id == destination_id)
-    async with engine.connect() as conn:
-        return [dict(r) for r in (await conn.execute(query)).mappings().all()]
 
 
 def check_confirmation(outcome: Status, confirmed_by: str | None) -> None:
@@ -47,7 +36,9 @@ def check_confirmation(outcome: Status, confirmed_by: str | None) -> None:
         raise ValueError("a Completed says what confirmed it, and only a Completed does")
 
 
-class JobStore:
+class JobStore(RoleStore):
+    """The application role (EXPORTS_DATABASE_URL): the activities and the starter."""
+
     def __init__(
         self,
         engine: AsyncEngine,
@@ -57,7 +48,7 @@ class JobStore:
         reread_timeout_seconds: float = 5.0,
         on_ended: Callable[[Status], None] = lambda status: None,
     ) -> None:
-        self.engine = engine
+        super().__init__(engine, reread_timeout_seconds=reread_timeout_seconds)
         self.lease_seconds = lease_seconds
         self.lock_timeout_ms = lock_timeout_ms
         self.reread_timeout_seconds = reread_timeout_seconds
@@ -66,7 +57,8 @@ class JobStore:
         self.on_ended = on_ended
 
     async def _write(self, name: str, **params: Any) -> int:
-        return await write(self.engine, name, **params)
+        """A conditional write whose row count is the whole answer (an uncertain one is raised)."""
+        return (await self.db.write(name, **params)).count
 
     # --- reads -------------------------------------------------------------------------------------------------
 
@@ -74,35 +66,37 @@ class JobStore:
         query = select(export_jobs).where(export_jobs.c.id == job_id)
         if tenant_id is not None:
             query = query.where(export_jobs.c.tenant_id == tenant_id)
-        async with self.engine.connect() as conn:
-            row = (await conn.execute(query)).mappings().first()
-        return JobRow.model_validate(dict(row)) if row is not None else None
+        row = await self.db.row(query)
+        return JobRow.model_validate(row) if row is not None else None
 
     async def read_jobs(self, job_ids: list[UUID]) -> dict[UUID, JobRow]:
         """Several rows in one query, by ID; missing ones are absent from the result."""
         if not job_ids:
             return {}
-        async with self.engine.connect() as conn:
-            rows = (await conn.execute(select(export_jobs).where(export_jobs.c.id.in_(job_ids)))).mappings().all()
-        return {row["id"]: JobRow.model_validate(dict(row)) for row in rows}
+        rows = await self.db.rows(select(export_jobs).where(export_jobs.c.id.in_(job_ids)))
+        return {row["id"]: JobRow.model_validate(row) for row in rows}
 
     async def read_destination(self, tenant_id: UUID, destination_id: UUID) -> dict[str, Any] | None:
         query = select(destinations).where(
             destinations.c.tenant_id == tenant_id, destinations.c.id == destination_id
         )
-        async with self.engine.connect() as conn:
-            row = (await conn.execute(query)).mappings().first()
-        return dict(row) if row is not None else None
+        return await self.db.row(query)
 
     async def job_ids_between(self, low: UUID, high: UUID, *, limit: int) -> list[UUID]:
         """Export IDs in [low, high], at most `limit` (an operator's ID prefix, as a range on the primary key)."""
         query = (select(export_jobs.c.id).where(export_jobs.c.id.between(low, high))
                  .order_by(export_jobs.c.id).limit(limit))
-        async with self.engine.connect() as conn:
-            return [row.id for row in await conn.execute(query)]
+        return [row["id"] for row in await self.db.rows(query)]
 
-    async def read_destinations(self) -> list[dict[str, Any]]:
-        return await read_destinations(self.engine)
+    async def read_destinations(self, tenant_id: UUID | None = None,
+                                destination_id: UUID | None = None) -> list[dict[str, Any]]:
+        """Destinations, all of them or one tenant's (or one), by tenant, name and ID."""
+        query = select(destinations).order_by(destinations.c.tenant_id, destinations.c.name, destinations.c.id)
+        if tenant_id is not None:
+            query = query.where(destinations.c.tenant_id == tenant_id)
+        if destination_id is not None:
+            query = query.where(destinations.c.id == destination_id)
+        return await self.db.rows(query)
 
     async def attempt_delivering(self, attempt_id: UUID) -> bool:
         """Whether this attempt still holds a row in Delivering: its upload may still run."""
@@ -115,15 +109,13 @@ class JobStore:
                                   export_jobs.c.final_name == final_name)
 
     async def _exists(self, *conditions: Any) -> bool:
-        query = select(export_jobs.c.id).where(*conditions).limit(1)
-        async with self.engine.connect() as conn:
-            return (await conn.execute(query)).first() is not None
+        return await self.db.row(select(export_jobs.c.id).where(*conditions).limit(1)) is not None
 
     async def request_cancellation(
         self, *, tenant_id: UUID, job_id: UUID, request_id: UUID, requested_by: str, reason: str | None
     ) -> CancellationResult:
-        return await request_cancellation(
-            self.engine,
+        return await cancellation.record(
+            self.db,
             self.lock_timeout_ms,
             tenant_id=tenant_id,
             job_id=job_id,
@@ -134,7 +126,7 @@ class JobStore:
 
     async def history(self, job_id: UUID) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """The job's attempt events and cancellation requests, oldest first."""
-        async with self.engine.connect() as conn:
+        async with self.db.connection() as conn:
             events = (
                 await conn.execute(
                     select(export_attempt_events)
@@ -151,12 +143,30 @@ class JobStore:
             ).mappings().all()
         return [dict(e) for e in events], [dict(r) for r in requests]
 
-    async def _bounded_reread(self, name: str, **params: Any) -> dict[str, Any] | None:
-        """Bounded, so an attempt never hangs here with the database unreachable. Raises on failure."""
-        async with asyncio.timeout(self.reread_timeout_seconds):
-            async with self.engine.connect() as conn:
-                row = (await conn.execute(statement(name), params)).mappings().first()
-        return dict(row) if row is not None else None
+    # --- operators' writes on queued work --------------------------------------------------------------------
+
+    async def create_replacement(
+        self,
+        *,
+        tenant_id: UUID,
+        original_job_id: UUID,
+        job_id: UUID,
+        created_by: str,
+        replacement_reason: str,
+        overwrite_agreement_ref: str | None = None,
+    ) -> UUID:
+        """A new job carrying the original's delivery key (store/terms.py says how); the original's ID."""
+        return await terms.replace(
+            self.db, tenant_id=tenant_id, original_job_id=original_job_id, job_id=job_id, created_by=created_by,
+            replacement_reason=replacement_reason, overwrite_agreement_ref=overwrite_agreement_ref,
+        )
+
+    async def edit_terms(
+        self, *, tenant_id: UUID, job_id: UUID, expected_version: int, destination_id: UUID
+    ) -> bool:
+        """Change a queued export's destination. False when it started, ended, or was edited since it was read."""
+        return await terms.edit(self.db, tenant_id=tenant_id, job_id=job_id, expected_version=expected_version,
+                                destination_id=destination_id)
 
     # --- creation and policy -----------------------------------------------------------------------------------
 
@@ -184,31 +194,25 @@ class JobStore:
 
     async def claim(self, job_id: UUID, checked_version: int, attempt_id: UUID, worker_id: str) -> ClaimResult:
         try:
-            inserted = await self._write(
+            written = await self.db.write(
                 "claim",
+                reread=Reread("ownership_reread", {"job_id": job_id}),
                 job_id=job_id,
                 checked_version=checked_version,
                 attempt_id=attempt_id,
                 worker_id=worker_id,
                 lease_seconds=self.lease_seconds,
             )
-            if inserted == 1:
-                return ClaimResult.CLAIMED
         except errors.TransitionAlreadyRecorded:
             # This attempt ID already claimed the job once (a retry after recovery requeued it): the ID is spent.
             log.warning("claim of %s: attempt %s was already used; lost", job_id, attempt_id)
             return ClaimResult.LOST
-        except Exception as exc:
-            if not errors.is_uncertain(exc):
-                raise
-            log.warning("claim of %s for attempt %s is uncertain: %s", job_id, attempt_id, exc)
-        try:
-            row = await self._bounded_reread("ownership_reread", job_id=job_id)
-        except Exception as exc:
-            if not (errors.is_uncertain(exc) or isinstance(exc, TimeoutError)):
-                raise
+        if written.changed:
+            return ClaimResult.CLAIMED
+        if written.unanswered is not None:
             return ClaimResult.UNKNOWN
         # State and ownership together: Running with this attempt's ID, and nothing else, means claimed.
+        row = written.row
         if row is not None and row["status"] == Status.RUNNING and row["attempt_id"] == attempt_id:
             return ClaimResult.CLAIMED
         return ClaimResult.LOST
@@ -216,18 +220,17 @@ class JobStore:
     async def start_build(self, job_id: UUID, attempt_id: UUID, holder: str, detail: str) -> bool:
         """A build takes its attempt's build slot (build_start.sql), fencing any earlier build of the attempt.
         False when the attempt no longer holds the row; on an uncertain answer the row is asked."""
-        try:
-            if await self._write("build_start", job_id=job_id, attempt_id=attempt_id, holder=holder,
-                                 lease_seconds=self.lease_seconds, detail=detail) == 1:
-                return True
-        except Exception as exc:
-            if not errors.is_uncertain(exc):
-                raise
-            log.warning("build start of %s for attempt %s is uncertain: %s", job_id, attempt_id, exc)
-            row = await self._bounded_reread("ownership_reread", job_id=job_id)
-            return (row is not None and row["status"] == Status.RUNNING and row["attempt_id"] == attempt_id
-                    and row["claimed_by"] == holder)
-        return False
+        written = await self.db.write(
+            "build_start", reread=Reread("ownership_reread", {"job_id": job_id}, when_unchanged=False),
+            job_id=job_id, attempt_id=attempt_id, holder=holder, lease_seconds=self.lease_seconds, detail=detail,
+        )
+        if not written.uncertain:
+            return written.changed
+        if written.unanswered is not None:
+            raise written.unanswered
+        row = written.row
+        return (row is not None and row["status"] == Status.RUNNING and row["attempt_id"] == attempt_id
+                and row["claimed_by"] == holder)
 
     async def renew_lease(self, job_id: UUID, attempt_id: UUID, holder: str | None = None) -> bool:
         return (
@@ -242,31 +245,24 @@ class JobStore:
         return await self._write("release_lease", job_id=job_id, attempt_id=attempt_id, holder=holder) == 1
 
     async def authorize_delivery(self, job: JobRow, attempt_id: UUID, file: BuiltFile) -> AuthorizationResult:
-        try:
-            inserted = await self._write(
-                "authorize_delivery",
-                job_id=job.id,
-                tenant_id=job.tenant_id,
-                attempt_id=attempt_id,
-                holder=file.holder,
-                replaces_job_id=job.replaces_job_id,
-                final_name=file.final_name,
-                length=file.size,
-                sha256=bytes.fromhex(file.sha256_hex),
-                lease_seconds=self.lease_seconds,
-            )
-            if inserted == 1:
-                return AuthorizationResult.AUTHORIZED
-        except Exception as exc:
-            if not errors.is_uncertain(exc):
-                raise
-            log.warning("cutoff 2 of %s for attempt %s is uncertain: %s", job.id, attempt_id, exc)
-        try:
-            row = await self._bounded_reread("ownership_reread", job_id=job.id)
-        except Exception as exc:
-            if not (errors.is_uncertain(exc) or isinstance(exc, TimeoutError)):
-                raise
+        written = await self.db.write(
+            "authorize_delivery",
+            reread=Reread("ownership_reread", {"job_id": job.id}),
+            job_id=job.id,
+            tenant_id=job.tenant_id,
+            attempt_id=attempt_id,
+            holder=file.holder,
+            replaces_job_id=job.replaces_job_id,
+            final_name=file.final_name,
+            length=file.size,
+            sha256=bytes.fromhex(file.sha256_hex),
+            lease_seconds=self.lease_seconds,
+        )
+        if written.changed:
+            return AuthorizationResult.AUTHORIZED
+        if written.unanswered is not None:
             return AuthorizationResult.UNKNOWN
+        row = written.row
         if row is None or row["attempt_id"] != attempt_id:
             return AuthorizationResult.NOT_OWNER
         if file.holder is not None and row["claimed_by"] != file.holder:
@@ -331,40 +327,29 @@ class JobStore:
         """A terminal write with the claim's shape: whether this attempt's terminal state is recorded. On an
         uncertain error or no row, the row is asked; if that fails too, False, and recovery resolves the job (or,
         with `unanswered_raises`, the re-read's error)."""
-        recorded = await self._finish_or_reread(name, kind, expected, code, unanswered_raises=unanswered_raises,
-                                                **params)
-        if recorded:
-            self.on_ended(expected)
-        return recorded
-
-    async def _finish_or_reread(
-        self, name: str, kind: str, expected: Status, code: FailureCode | None, *, unanswered_raises: bool,
-        **params: Any
-    ) -> bool:
         job_id, attempt_id = params["job_id"], params["attempt_id"]
-        try:
-            if await self._write(name, **params) == 1:
-                return True
-        except Exception as exc:
-            if not errors.is_uncertain(exc):
-                raise
-            log.warning("%s of %s for attempt %s is uncertain: %s", name, job_id, attempt_id, errors.describe(exc))
-        try:
-            row = await self._bounded_reread("finish_reread", job_id=job_id, attempt_id=attempt_id, kind=kind)
-        except Exception as exc:
-            if unanswered_raises or not (errors.is_uncertain(exc) or isinstance(exc, TimeoutError)):
-                raise
+        written = await self.db.write(
+            name, reread=Reread("finish_reread", {"job_id": job_id, "attempt_id": attempt_id, "kind": kind}),
+            **params,
+        )
+        if written.unanswered is not None:
+            if unanswered_raises:
+                raise written.unanswered
             log.warning("re-read after %s of %s for attempt %s failed, leaving it to recovery: %s",
-                        name, job_id, attempt_id, errors.describe(exc))
+                        name, job_id, attempt_id, errors.describe(written.unanswered))
             return False
+        row = written.row
         # The expected state, code and owner together, and this attempt's own event: not recovery's resolution.
-        return (
+        recorded = written.changed or (
             row is not None
             and row["status"] == expected
             and row["attempt_id"] == attempt_id
             and row["failure_reason"] == (code.value if code else None)
             and row["event_recorded"]
         )
+        if recorded:
+            self.on_ended(expected)
+        return recorded
 
     async def append_evidence(
         self, job_id: UUID, attempt_id: UUID, observed_by: str, detail: dict[str, Any]

@@ -13,9 +13,10 @@ from uuid import UUID
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from store import sweeper
 from store.jobs import check_confirmation
 from store.models import Status
-from store.statements import statement, write
+from store.statements import RoleStore
 
 log = logging.getLogger(__name__)
 
@@ -39,17 +40,19 @@ class Candidate:
     attempt_count: int
 
 
-class Recovery:
+class Recovery(RoleStore):
+    """The scheduled backstops: recovery's takeovers and the sweeper. They run as the application role
+    (EXPORTS_DATABASE_URL), on the worker's engine."""
+
     def __init__(self, engine: AsyncEngine, *, max_attempts: int) -> None:
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
-        self.engine = engine
+        super().__init__(engine)
         self.max_attempts = max_attempts
 
     async def nominate(self, limit: int) -> list[Candidate]:
         """Running and Delivering attempts whose lease has expired, oldest lease first."""
-        async with self.engine.connect() as conn:
-            rows = (await conn.execute(statement("recovery_nominate"), {"limit": limit})).mappings().all()
+        rows = await self.db.rows("recovery_nominate", limit=limit)
         return [
             Candidate(
                 job_id=row["id"],
@@ -148,8 +151,19 @@ class Recovery:
         return kind
 
     async def _takeover(self, name: str, **params: object) -> bool:
-        changed = await write(self.engine, name, **params)
+        changed = (await self.db.write(name, **params)).count
         if changed > 1:
             # Impossible: each statement names one job by its primary key.
             raise RuntimeError(f"{name} changed {changed} rows")
         return changed == 1
+
+    # --- the sweeper -------------------------------------------------------------------------------------------
+
+    async def sweep(self, *, threshold_seconds: float, batch: int) -> int:
+        """One batch of fresh wake-ups for jobs Queued past the threshold; how many (store/sweeper.py)."""
+        return await sweeper.sweep_batch(self.db, threshold_seconds=threshold_seconds, batch=batch)
+
+    async def sweep_all(self, *, threshold_seconds: float, batch: int, max_batches: int = 1000) -> int:
+        """Batches until one comes back short, at most max_batches; how many jobs were woken."""
+        return await sweeper.sweep_batches(self.db, threshold_seconds=threshold_seconds, batch=batch,
+                                           max_batches=max_batches)

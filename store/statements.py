@@ -1,19 +1,30 @@
-"""The documented statements, one .sql file each, loaded by name."""
+"""The documented statements, one .sql file each, loaded by name, and the one way the store reaches a database role.
+
+`Database` is that way: every read, write and transaction of the store runs through it, so every driver error
+leaves as store/errors.py's answer (a domain error, or the driver's own connection error), and every conditional
+write has one path for an uncertain answer: a bounded re-read with the statement documented for it.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import TextClause, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.sql import Executable
 
 from store import errors
 
 SQL_DIR = Path(__file__).parent / "sql"
+
+log = logging.getLogger(__name__)
 
 
 @cache
@@ -21,38 +32,159 @@ def statement(name: str) -> TextClause:
     return text((SQL_DIR / f"{name}.sql").read_text())
 
 
+def _executable(query: str | Executable) -> Executable:
+    return statement(query) if isinstance(query, str) else query
+
+
 @contextmanager
-def _domain_errors() -> Iterator[None]:
-    """A constraint violation or a refused privilege leaves as its domain error; anything else as it is."""
+def translated() -> Iterator[None]:
+    """A constraint violation or a refused privilege leaves as its domain error; anything else as it is (so a
+    lost connection stays what errors.is_uncertain recognises)."""
     try:
         yield
     except errors.StoreError:
         raise
     except Exception as exc:
-        translated = errors.translate(exc)
-        if translated is exc:
+        answer = errors.translate(exc)
+        if answer is exc:
             raise
-        raise translated from exc
+        raise answer from exc
 
 
-@asynccontextmanager
-async def transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
-    """One transaction, its errors as domain errors."""
-    with _domain_errors():
-        async with engine.begin() as conn:
-            yield conn
+@dataclass(frozen=True)
+class Reread:
+    """The statement that says, when a write's answer is lost or it changed nothing, what the row holds."""
+
+    name: str
+    params: dict[str, Any]
+    # Also asked when the write answered that it changed nothing (the row then says why, or that it had committed).
+    when_unchanged: bool = True
 
 
-async def write(engine: AsyncEngine, name: str, **params: Any) -> int:
-    """Run one statement, committed on its own; the row count of its outer command. A single statement is atomic
-    without a transaction block (its deferred checks run at its implicit commit), so BEGIN and COMMIT would only
-    add two round trips."""
-    with _domain_errors():
-        async with engine.connect() as conn:
-            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-            return (await conn.execute(statement(name), params)).rowcount
+@dataclass(frozen=True)
+class Written:
+    """What a conditional write learnt. `count` is the statement's row count (of its outer command), None when its
+    answer was lost. `row` is the re-read's row (None also when it found none), and `unanswered` the re-read's own
+    error when it could not be asked either (a lost connection, or past its bound)."""
+
+    count: int | None
+    row: dict[str, Any] | None = None
+    unanswered: BaseException | None = None
+
+    @property
+    def changed(self) -> bool:
+        return self.count == 1
+
+    @property
+    def uncertain(self) -> bool:
+        return self.count is None
+
+
+class Database:
+    """One database role's engine, as the store uses it: reads, single statements, transactions."""
+
+    def __init__(self, engine: AsyncEngine, *, reread_timeout_seconds: float = 5.0) -> None:
+        self.engine = engine
+        self.reread_timeout_seconds = reread_timeout_seconds
+
+    # --- reads -------------------------------------------------------------------------------------------------
+
+    async def rows(self, query: str | Executable, **params: Any) -> list[dict[str, Any]]:
+        """A named statement's rows, or a query's."""
+        with translated():
+            async with self.engine.connect() as conn:
+                return [dict(r) for r in (await conn.execute(_executable(query), params)).mappings().all()]
+
+    async def row(self, query: str | Executable, **params: Any) -> dict[str, Any] | None:
+        with translated():
+            async with self.engine.connect() as conn:
+                found = (await conn.execute(_executable(query), params)).mappings().first()
+        return dict(found) if found is not None else None
+
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[AsyncConnection]:
+        """One connection for several reads."""
+        with translated():
+            async with self.engine.connect() as conn:
+                yield conn
+
+    async def ping(self) -> None:
+        """One connection and `SELECT 1`."""
+        with translated():
+            async with self.engine.connect() as conn:
+                await conn.exec_driver_sql("SELECT 1")
+
+    # --- writes ------------------------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[AsyncConnection]:
+        """One transaction for several statements; `write(..., conn=)` runs its conditional ones."""
+        with translated():
+            async with self.engine.begin() as conn:
+                yield conn
+
+    async def write(self, name: str, *, conn: AsyncConnection | None = None, reread: Reread | None = None,
+                    **params: Any) -> Written:
+        """Run one conditional statement and answer what it did.
+
+        Alone (no `conn`), it commits on its own: a single statement is atomic without a transaction block (its
+        deferred checks run at its implicit commit), so BEGIN and COMMIT would only add two round trips. With
+        `conn`, it is one statement of that transaction. With `reread`, an uncertain answer (errors.is_uncertain:
+        the statement may or may not have committed) is not raised: the row is asked, bounded by
+        reread_timeout_seconds so that no caller hangs with the database away, and the caller decides from the row.
+        Without it, or for any definite error, the error is raised as its domain error."""
+        if conn is not None:
+            if reread is not None:
+                raise ValueError("a re-read asks the row on a connection of its own, not inside a transaction")
+            with translated():
+                return Written((await conn.execute(statement(name), params)).rowcount)
+        try:
+            with translated():
+                async with self.engine.connect() as own:
+                    own = await own.execution_options(isolation_level="AUTOCOMMIT")
+                    count = (await own.execute(statement(name), params)).rowcount
+        except Exception as exc:
+            if reread is None or not errors.is_uncertain(exc):
+                raise
+            log.warning("%s of export %s is uncertain, asking the row: %s", name, params.get("job_id"),
+                        errors.describe(exc))
+            return await self._reread(reread, None)
+        if count == 1 or reread is None or not reread.when_unchanged:
+            return Written(count)
+        return await self._reread(reread, count)
+
+    async def _reread(self, reread: Reread, count: int | None) -> Written:
+        try:
+            async with asyncio.timeout(self.reread_timeout_seconds):
+                row = await self.row(reread.name, **reread.params)
+        except Exception as exc:
+            if not errors.is_uncertain(exc):  # a timeout is uncertain too
+                raise
+            return Written(count, unanswered=exc)
+        return Written(count, row=row)
+
+
+class RoleStore:
+    """What each of the store's classes stands on: one role's engine, reached only through `self.db`."""
+
+    def __init__(self, engine: AsyncEngine, *, reread_timeout_seconds: float = 5.0) -> None:
+        self.engine = engine
+        self.db = Database(engine, reread_timeout_seconds=reread_timeout_seconds)
+
+    @property
+    def address(self) -> str:
+        """Where it connects, for a message: the URL without its password."""
+        return self.engine.url.render_as_string(hide_password=True)
+
+    async def ping(self) -> None:
+        await self.db.ping()
+
+    async def aclose(self) -> None:
+        """Close the role's connections (its engine's pool)."""
+        await self.engine.dispose()
 
 
 async def fetch_one(conn: AsyncConnection, name: str, **params: Any) -> dict[str, Any] | None:
+    """A named statement's first row on a connection of `Database.transaction` or `Database.connection`."""
     row = (await conn.execute(statement(name), params)).mappings().first()
     return dict(row) if row is not None else None

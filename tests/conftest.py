@@ -6,7 +6,11 @@ instead of the embedded server: the session creates its own template database an
 its own copy, and the roles exports_app, exports_dispatcher and exports_reconciler when missing (with the URL's
 password, if it has one). The roles connect as the URL says, with its password: roles that already exist must
 accept it, or be trusted by pg_hba.conf. The tests that cut connections with tests/faults.py reach the server
-through its Unix socket: give the URL's host as the socket's directory (`?host=/run/postgresql`)."""
+through its Unix socket when the URL's host is the socket's directory (`?host=/run/postgresql`), else through its
+TCP port.
+
+EXPORTS_TEST_BACKEND=testcontainers (tests/containers.py) puts PostgreSQL and the Temporal dev server in Docker
+containers instead of the embedded servers; the EXPORTS_TEST_* URLs above still win for what they name."""
 
 from __future__ import annotations
 
@@ -27,12 +31,13 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from starter.localstack.partner import LocalPartner
+from tests import containers
 from starter.localstack.postgres import ROLES, LocalPostgres, role_urls
 from starter.localstack.temporal import temporal_binary
 from store.db import asyncpg_dsn, make_engine, migrate
 from store.jobs import JobStore
 from store.settings import Settings
-from workflows.export import SEARCH_ATTRIBUTES
+from workflows.identity import SEARCH_ATTRIBUTES
 
 TEMPLATE = "exports_template"
 APP_ROLES = ("app", "dispatcher", "reconciler")
@@ -78,6 +83,10 @@ def pg_server() -> Iterator[PgServer]:
     external = os.environ.get("EXPORTS_TEST_DATABASE_URL", "").strip()
     if external:
         yield ExternalPostgres(external)
+        return
+    if containers.wanted():
+        with containers.postgres_url() as url:
+            yield ExternalPostgres(url)
         return
     # A short path: the server's Unix socket lives under it.
     root = Path(tempfile.mkdtemp(prefix="exports-pg-"))
@@ -232,6 +241,10 @@ async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
     if address:
         yield await _existing_temporal(address, os.environ.get("EXPORTS_TEST_TEMPORAL_NAMESPACE") or "default")
         return
+    if containers.wanted():
+        async with containers.temporal_address() as address:
+            yield await _existing_temporal(address, "default")
+        return
     env = await WorkflowEnvironment.start_local(
         data_converter=pydantic_data_converter,
         dev_server_existing_path=temporal_binary(),
@@ -247,6 +260,11 @@ async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
 @pytest.fixture
 def client(temporal_env: WorkflowEnvironment) -> Client:
     return temporal_env.client
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if containers.wanted():
+        containers.require_docker()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:

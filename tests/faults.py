@@ -1,4 +1,4 @@
-"""A real fault injector: a TCP proxy in front of PostgreSQL's Unix socket that cuts connections at chosen points
+"""A real fault injector: a TCP proxy in front of PostgreSQL (its Unix socket, or its TCP port) that cuts connections at chosen points
 of the v3 wire protocol, so a test can lose a response after the server has committed, or lose a statement
 before it reaches the server, exactly as a dropped network connection would."""
 
@@ -12,6 +12,8 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from sqlalchemy.engine import make_url
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,15 @@ def socket_path(socket_dir: str) -> str:
     if len(found) != 1:
         raise RuntimeError(f"expected one PostgreSQL socket in {socket_dir}, found {found}")
     return str(found[0])
+
+
+def upstream_of(server: Any) -> str:
+    """Where the proxy forwards to: the server's Unix socket when it has one in reach, else its TCP host:port
+    (a server in a container, or one given by a TCP URL)."""
+    if server.socket_dir:
+        return socket_path(server.socket_dir)
+    url = make_url(server.url("owner"))
+    return f"{url.host or '127.0.0.1'}:{url.port or 5432}"
 
 
 @dataclass
@@ -51,10 +62,11 @@ class _Conn:
 
 
 class PgFaultProxy:
-    """127.0.0.1:<port> -> the Unix socket. Each rule fires once; `log_messages` shows what clients send."""
+    """127.0.0.1:<port> -> the server (a Unix socket's path, or host:port). Each rule fires once; `log_messages`
+    shows what clients send."""
 
-    def __init__(self, unix_path: str, *, log_messages: bool = False) -> None:
-        self.unix_path = unix_path
+    def __init__(self, upstream: str, *, log_messages: bool = False) -> None:
+        self.upstream = upstream
         self.log_messages = log_messages
         self.port = 0
         self.accepted = 0  # connections forwarded to the server
@@ -145,9 +157,9 @@ class PgFaultProxy:
             client_w.transport.abort()
             return
         try:
-            server_r, server_w = await asyncio.open_unix_connection(self.unix_path)
+            server_r, server_w = await self._open_upstream()
         except OSError as exc:
-            log.warning("proxy cannot reach %s: %s", self.unix_path, exc)
+            log.warning("proxy cannot reach %s: %s", self.upstream, exc)
             client_w.transport.abort()
             return
         self.accepted += 1
@@ -155,6 +167,12 @@ class PgFaultProxy:
         self._conns.add(conn)
         self._spawn(self._pump_client(conn, client_r))
         self._spawn(self._pump_server(conn, server_r))
+
+    async def _open_upstream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self.upstream.startswith("/"):
+            return await asyncio.open_unix_connection(self.upstream)
+        host, port = self.upstream.rsplit(":", 1)
+        return await asyncio.open_connection(host, int(port))
 
     async def _pump_client(self, conn: _Conn, reader: asyncio.StreamReader) -> None:
         try:
@@ -245,8 +263,9 @@ class PgFaultProxy:
 
 
 @contextlib.asynccontextmanager
-async def fault_proxy(socket_dir: str, **kwargs: bool):  # type: ignore[no-untyped-def]
-    proxy = await PgFaultProxy(socket_path(socket_dir), **kwargs).start()
+async def fault_proxy(server: Any, **kwargs: bool):  # type: ignore[no-untyped-def]
+    """A proxy in front of `server` (the suite's PostgreSQL: embedded, existing or in a container)."""
+    proxy = await PgFaultProxy(upstream_of(server), **kwargs).start()
     try:
         yield proxy
     finally:

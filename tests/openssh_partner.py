@@ -16,7 +16,7 @@ from pathlib import Path
 import asyncssh
 import pytest
 
-from activities.partner import DestinationConfig
+from activities.destination import DestinationConfig
 from starter.localstack import processes
 from starter.localstack.ports import free_port, wait_for_port
 

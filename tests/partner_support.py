@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from activities.partner import DestinationConfig, connect
+from activities.destination import DestinationConfig
+from activities.partner_connection import connect
 
 WAIT_SECONDS = 30.0
 

@@ -49,7 +49,7 @@ from store.models import (
     JobRow,
     Status,
 )
-from store.reconciliation import correct
+from store.reconciliation import Reconciliation
 from tests.store_states import drive
 from tests.support import built_files, eventually
 from tests.workflow_support import Harness, open_harness, run_recovery
@@ -399,7 +399,7 @@ async def failed_original_with_replacement(h: Harness) -> tuple[uuid.UUID, uuid.
 async def correct_to_completed(h: Harness, original: uuid.UUID, attempt_id: uuid.UUID) -> None:
     engine = make_engine(h.db.url("reconciler"))
     try:
-        assert await correct(engine, tenant_id=h.tenant_id, job_id=original, attempt_id=attempt_id,
+        assert await Reconciliation(engine).correct(tenant_id=h.tenant_id, job_id=original, attempt_id=attempt_id,
                              recorded_status=Status.FAILED, corrected_status=Status.COMPLETED, failure_reason=None,
                              corrected_by="reconciler@example.com", evidence_ref="partner ack 42",
                              why="the partner confirmed receipt")

@@ -826,7 +826,7 @@ async def leftover_problems(c: Chaos, sweep_queue: str) -> list[str]:
 
 
 async def export_statuses(c: Chaos) -> dict[uuid.UUID, str]:
-    from workflows.export import EXPORT_STATUS
+    from workflows.identity import EXPORT_STATUS
 
     # A reconciliation or correction after a run closed starts a new run of the workflow ID; earlier runs keep what
     # was true when they closed, and the latest run is the one that tells (as the README says).
@@ -911,7 +911,7 @@ async def test_chaos__kills_cancels_and_recovery_keep_every_invariant(db, store,
                                lease_seconds=LEASE, renew_every_seconds=0.5, scavenge_interval_seconds=SCAVENGE_EVERY,
                                build_throttle_bytes_per_second=40_000, upload_throttle_bytes_per_second=40_000)
         c = Chaos(rng=random.Random(seed), h=h, work_root=tmp_path / "work",
-                  proxy=await stack.enter_async_context(fault_proxy(db.server.socket_dir)), temporal=temporal)
+                  proxy=await stack.enter_async_context(fault_proxy(db.server)), temporal=temporal)
         h.exports.reconciliation_url = db.server.urls(db.name)["reconciliation_database_url"]
         d = h.partner.destination()
         c.other_destination = await seed_destination(  # the same partner folders, under another destination

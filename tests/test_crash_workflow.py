@@ -387,7 +387,7 @@ async def test_crash_after_receipt_before_terminal_write__recovery_records_compl
 
 @pytest.fixture
 async def proxy(db) -> AsyncIterator[PgFaultProxy]:
-    async with fault_proxy(db.server.socket_dir) as running:
+    async with fault_proxy(db.server) as running:
         yield running
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import asyncssh
 import pytest
 
-from activities import partner
+from activities.partner_connection import connect
 from store.models import FailureCode, Status
-from store.reconciliation import reconcile
+from store.reconciliation import Reconciliation
 from tests.support import delivery_evidence, eventually
 from tests.workflow_support import Harness, WorkerProcess, held_at, open_harness, run_recovery
 
@@ -106,7 +106,7 @@ async def test_interrupted_just_after_rename__outcome_unknown_until_reconciled(h
     original, content = await unknown_original(h)
     row = await h.store.read_job(original)
     assert hashlib.sha256(content).digest() == row.expected_file_sha256  # the file may well be there...
-    assert await reconcile(reconciler, tenant_id=h.tenant_id, job_id=original, attempt_id=row.attempt_id,
+    assert await Reconciliation(reconciler).reconcile(tenant_id=h.tenant_id, job_id=original, attempt_id=row.attempt_id,
                            resolution=Status.COMPLETED, reconciled_by="ops@example",
                            evidence_summary="partner listing and checksum match")  # ...but only evidence says so
     assert (await h.store.read_job(original)).status is Status.COMPLETED
@@ -210,7 +210,7 @@ async def test_file_appearing_between_listing_and_rename__never_overwritten_outc
 
     async def second_client_writes(old: str, new: str) -> None:
         dest = h.partner.destination()
-        async with partner.connect(dest) as sftp:
+        async with connect(dest) as sftp:
             async with sftp.open(new, "wb") as f:
                 await f.write(intruder)
 

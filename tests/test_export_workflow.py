@@ -95,7 +95,7 @@ async def test_workflow__one_export_runs_every_step_as_an_activity(db, client, t
     async with AsyncExitStack() as stack:
         # Every application-role connection (the starter's, the worker's activities, the build's COPY) goes
         # through a proxy that logs the SQL each one sends.
-        proxy = await stack.enter_async_context(fault_proxy(db.server.socket_dir, log_messages=True))
+        proxy = await stack.enter_async_context(fault_proxy(db.server, log_messages=True))
         app_url = proxy.url(ROLES["app"], db.name)
         engine = make_engine(app_url)
         stack.push_async_callback(engine.dispose)
@@ -260,7 +260,7 @@ async def test_dispatcher__one_row_published_twice_wakes_the_workflow_once(quiet
         return (await handle.fetch_history()).events
 
     async with AsyncExitStack() as stack:
-        proxy = await stack.enter_async_context(fault_proxy(db.server.socket_dir))
+        proxy = await stack.enter_async_context(fault_proxy(db.server))
         dispatcher_url = proxy.url(ROLES["dispatcher"], db.name)
         engine = make_engine(dispatcher_url)
         stack.push_async_callback(engine.dispose)

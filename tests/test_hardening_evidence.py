@@ -2,7 +2,7 @@
 dev server (recovery runs as its workflow on a real worker) and the local SFTP partner.
 
 Each attempt is arranged through the real statements and left Delivering with an expired lease, as a worker that
-died after its rename leaves it. Its evidence is what the real delivery code appends: `partner.deliver` runs
+died after its rename leaves it. Its evidence is what the real delivery code appends: `partner_delivery.deliver` runs
 against the partner and appends to the store; only the terminal write is never made.
 """
 
@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from activities import partner
+from activities.destination import DestinationConfig, Replacement
+from activities.outcomes import DeliveryResult
+from activities.partner_delivery import deliver
 from store.models import AuthorizationResult, BuiltFile, ClaimResult, JobRow, Status
-from store.terms import create_replacement
 from tests.partner_support import write_as_other_party
 from tests.workflow_support import Harness, run_recovery
 
@@ -45,16 +46,16 @@ async def delivering(h: Harness, content: bytes, *, job_id: uuid.UUID | None = N
 
 
 async def worker_delivers(h: Harness, row: JobRow, attempt_id: uuid.UUID, local: Path, *,
-                          replacement: partner.Replacement | None = None) -> partner.DeliveryResult:
+                          replacement: Replacement | None = None) -> DeliveryResult:
     """The real delivery code, appending its evidence as the deliver activity does; the worker then dies."""
     dest_row = await h.store.read_destination(row.tenant_id, row.destination_id)
 
     async def record(detail: dict) -> None:
         await h.store.append_evidence(row.id, attempt_id, f"worker-gone/{attempt_id}", detail)
 
-    return await partner.deliver(partner.DestinationConfig.from_row(dest_row), str(local), row.final_name,
-                                 f".{row.final_name}.{attempt_id}.part", record_evidence=record,
-                                 expected_sha256=row.expected_file_sha256.hex(), replacement=replacement)
+    return await deliver(DestinationConfig.from_row(dest_row), str(local), row.final_name,
+                         f".{row.final_name}.{attempt_id}.part", record_evidence=record,
+                         expected_sha256=row.expected_file_sha256.hex(), replacement=replacement)
 
 
 async def recover(h: Harness, job_id: uuid.UUID) -> tuple[JobRow, str]:
@@ -100,13 +101,13 @@ async def test_recovery__an_overwrite_no_hash_confirmed_is_outcome_unknown_as_th
     await h.store.finish_delivery(original.id, original.attempt_id, Status.OUTCOME_UNKNOWN, None, "arranged")
     await write_as_other_party(h.partner.destination(), f"/outbound/{original.final_name}", b"o" * SIZE)
     replacement_id = uuid.uuid4()
-    await create_replacement(h.store.engine, tenant_id=h.tenant_id, original_job_id=original.id,
+    await h.store.create_replacement(tenant_id=h.tenant_id, original_job_id=original.id,
                              job_id=replacement_id, created_by="ops", replacement_reason="lost",
                              overwrite_agreement_ref="partner ticket 7")
     content = b"r" * SIZE  # a rebuild of the same size
     row, attempt_id = await delivering(h, content, job_id=replacement_id)
     (tmp_path / "built.csv").write_bytes(content)
-    worker = await worker_delivers(h, row, attempt_id, tmp_path / "built.csv", replacement=partner.Replacement(
+    worker = await worker_delivers(h, row, attempt_id, tmp_path / "built.csv", replacement=Replacement(
         original_bytes=SIZE, original_sha256=original.expected_file_sha256.hex(), overwrite_agreed=True))
     assert worker.outcome == "OutcomeUnknown" and "overwritten" in worker.summary
     assert (h.partner.root / "outbound" / row.final_name).read_bytes() == content  # it did overwrite
@@ -183,7 +184,7 @@ async def test_recovery__a_replacement_is_completed_by_name_and_size_only_where_
     original, _ = await delivering(h, b"o" * SIZE)
     await h.store.finish_delivery(original.id, original.attempt_id, Status.OUTCOME_UNKNOWN, None, "arranged")
     replacement_id = uuid.uuid4()
-    await create_replacement(h.store.engine, tenant_id=h.tenant_id, original_job_id=original.id,
+    await h.store.create_replacement(tenant_id=h.tenant_id, original_job_id=original.id,
                              job_id=replacement_id, created_by="ops", replacement_reason="lost")
     content = b"r" * SIZE
     row, attempt_id = await delivering(h, content, job_id=replacement_id)

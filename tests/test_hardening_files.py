@@ -9,8 +9,8 @@ import uuid
 
 import pytest
 
-from activities import partner
 from activities.contracts import PartnerSweepOutput
+from activities.partner_delivery import temp_file_name
 from store.models import Status
 from tests.store_states import drive
 from tests.support import create_job, eventually, seed_tenant
@@ -67,13 +67,13 @@ async def test_partner_sweep_removes_only_old_temporary_files_of_attempts_that_e
                                              h.destination_id)
     old = time.time() - contract_age - DAY
     files = {
-        "ended": (partner.temp_file_name(row.final_name, ended), old),
-        "unknown attempt": (partner.temp_file_name(row.final_name, uuid.uuid4()), old),
-        "live": (partner.temp_file_name((await h.store.read_job(live_job)).final_name, live), old),
-        "young": (partner.temp_file_name((await h.store.read_job(young_job)).final_name, young),
+        "ended": (temp_file_name(row.final_name, ended), old),
+        "unknown attempt": (temp_file_name(row.final_name, uuid.uuid4()), old),
+        "live": (temp_file_name((await h.store.read_job(live_job)).final_name, live), old),
+        "young": (temp_file_name((await h.store.read_job(young_job)).final_name, young),
                   time.time() - contract_age + DAY),
         "not ours": ("upload-in-progress.tmp", old),
-        "no export of ours": (partner.temp_file_name("contacts-gone.csv", uuid.uuid4()), old),
+        "no export of ours": (temp_file_name("contacts-gone.csv", uuid.uuid4()), old),
     }
     for name, mtime in files.values():
         (temp / name).write_bytes(b"partial contact data")

@@ -9,7 +9,7 @@ from pathlib import Path
 import asyncssh
 import pytest
 
-from activities.partner import deliver
+from activities.partner_delivery import deliver
 from store.models import Status
 from starter.localstack.partner import LocalPartner
 from tests.partner_support import Evidence, bounded, make_file

@@ -14,11 +14,10 @@ import pytest
 from alembic import command
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from activities import partner
 from activities.contracts import PartnerSweepOutput
+from activities.partner_delivery import temp_file_name
 from store.db import _alembic_config, migrate
 from store.models import Status
-from store.terms import create_replacement
 from tests.store_states import drive
 from tests.support import create_job, seed_tenant
 from tests.workflow_support import Harness
@@ -99,7 +98,7 @@ async def test_the_partner_sweep_of_one_tenant_leaves_the_other_tenants_temporar
     old = time.time() - 10 * 86400 - 10 ** 6
     for job_id in (mine, theirs):
         attempt = await drive(h.store, job_id, Status.COMPLETED)
-        names[job_id] = partner.temp_file_name((await h.store.read_job(job_id)).final_name, attempt)
+        names[job_id] = temp_file_name((await h.store.read_job(job_id)).final_name, attempt)
         path = h.partner.root / "incoming-tmp" / names[job_id]
         path.write_bytes(b"partial contact data")
         os.utime(path, (old, old))
@@ -141,7 +140,7 @@ async def test_the_migration_keeps_the_name_of_every_delivery_that_may_have_reac
     assert names[claimed] == f"contacts-{keys[claimed]}.csv"
     assert names[queued] == f"contacts-{tenant_id}-{keys[queued]}.csv"
     replacement = uuid.uuid4()
-    await create_replacement(store.engine, tenant_id=tenant_id, original_job_id=claimed, job_id=replacement,
+    await store.create_replacement(tenant_id=tenant_id, original_job_id=claimed, job_id=replacement,
                              created_by="ops", replacement_reason="outcome unknown")
     assert (await store.read_job(replacement)).final_name == f"contacts-{keys[claimed]}.csv"
 

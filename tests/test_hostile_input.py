@@ -20,7 +20,7 @@ from store.models import Status
 from tests.support import eventually
 from tests.test_cancel_workflow import building, stop_latency
 from tests.workflow_support import Harness
-from workflows.export import EXPORT_STATUS
+from workflows.identity import EXPORT_STATUS
 
 BOUND = 30.0
 

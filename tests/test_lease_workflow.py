@@ -175,7 +175,7 @@ async def refused_once(cutoffs: Calls) -> None:
 
 
 async def open_proxy(stack: AsyncExitStack, db) -> PgFaultProxy:
-    return await stack.enter_async_context(fault_proxy(db.server.socket_dir))
+    return await stack.enter_async_context(fault_proxy(db.server))
 
 
 # --- reading the row, its events, Temporal's history and the partner -------------------------------------------------

@@ -16,6 +16,7 @@ from activities import endpoint, metrics
 from store.db import asyncpg_dsn
 from store.models import Status
 from tests.support import eventually
+from worker import running_worker
 from tests.workflow_support import Harness, WorkerProcess, held_at, open_harness
 
 HTTP_TIMEOUT = 5.0
@@ -174,19 +175,58 @@ async def test_a_taken_port_costs_the_probes_never_the_worker(db):
             await observing.close()
 
 
-async def test_the_probes_follow_the_worker_state(db):
-    """In-process, the same server the worker runs: 503 until polling, 200 while polling, 503 once stopping;
-    /livez throughout, an unknown path 404, a malformed request answered and the server still serving."""
-    stopping = asyncio.Event()
+@asynccontextmanager
+async def probes(db, stopping: asyncio.Event) -> AsyncIterator[endpoint.Observing]:
+    """The worker's HTTP server, in-process, on a free port."""
     settings = db.settings(http_port=endpoint.free_loopback_port(), http_bind_address="127.0.0.1",
                            metrics_refresh_seconds=60)
     observing = endpoint.Observing(settings, stopping)
     await observing.serve()
-    port = settings.http_port
     try:
+        yield observing
+    finally:
+        await observing.close()
+
+
+async def test_the_probes_follow_a_real_worker_that_stops_polling_or_loses_its_dispatcher(db, client, tmp_path):
+    """A worker that stops polling after its start is no longer ready; a dispatcher that ended unasked makes the
+    process not alive, so that Kubernetes restarts it."""
+    settings = db.settings(task_queue=f"probes-{tmp_path.name}", work_dir=str(tmp_path / "work"))
+    async with probes(db, asyncio.Event()) as observing, \
+            running_worker(settings, client, health=observing.health):
+        port = observing.settings.http_port
+        await polling(port)
+        assert await get(port, "/livez") == (200, "ok\n")
+        shared, own = observing.health.workers
+        await asyncio.wait_for(own.shutdown(), 30)  # its own queue only: the shared one still polls
+        assert await get(port, "/readyz") == (503, "not polling\n")
+        assert await get(port, "/livez") == (200, "ok\n")
+
+        dispatcher = observing.health.dispatcher
+        assert dispatcher is not None and not dispatcher.done()
+        dispatcher.cancel()
+        await asyncio.gather(dispatcher, return_exceptions=True)
+        assert await get(port, "/livez") == (503, "the outbox dispatcher stopped\n")
+        assert await get(port, "/readyz") == (503, "the outbox dispatcher stopped\n")
+
+
+async def test_the_probes_follow_the_worker_state(db):
+    """In-process, the same server the worker runs: 503 until polling, 200 while polling, 503 once stopping;
+    /livez throughout, an unknown path 404, a malformed request answered and the server still serving."""
+    stopping = asyncio.Event()
+
+    class Polling:
+        is_running = True
+
+    async with probes(db, stopping) as observing:
+        port = observing.settings.http_port
         assert await get(port, "/readyz") == (503, "not polling yet\n")
-        observing.polling = True
+        observing.health.workers = (Polling(),)
         assert await get(port, "/readyz") == (200, "polling\n")
+        observing.health.fatal = "PollError: namespace gone"
+        assert await get(port, "/readyz") == (503, "a Temporal worker failed: PollError: namespace gone\n")
+        assert await get(port, "/livez") == (503, "a Temporal worker failed: PollError: namespace gone\n")
+        observing.health.fatal = None
         stopping.set()
         assert await get(port, "/readyz") == (503, "stopping\n")
         assert (await get(port, "/livez"))[0] == 200
@@ -197,5 +237,3 @@ async def test_the_probes_follow_the_worker_state(db):
         writer.close()
         status, text = await get(port, "/metrics")
         assert status == 200 and "exports_ended_total" in text
-    finally:
-        await observing.close()

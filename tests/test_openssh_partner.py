@@ -8,7 +8,7 @@ import uuid
 import asyncssh
 import pytest
 
-from activities import partner
+from activities.partner_connection import HostKeyMismatch, connect
 from activities.sftp_check_file import check_file_sha256
 from starter.localstack.seed import seed_destination
 from store.models import FailureCode, Status
@@ -62,7 +62,7 @@ async def test_openssh__occupied_final_name_fails_with_nothing_uploaded(harness:
 async def test_openssh__no_overwrite_rename_refuses_an_existing_name(openssh: OpenSshPartner):
     """The SFTP v3 rename that every original uses fails on OpenSSH when the final name exists."""
     dest = openssh.destination()
-    async with partner.connect(dest) as sftp:
+    async with connect(dest) as sftp:
         for name, data in (("a.part", b"new"), ("../outbound/a.csv", b"old")):
             async with sftp.open(f"{dest.temp_dir}/{name}", "wb") as f:
                 await f.write(data)
@@ -96,7 +96,7 @@ async def test_openssh__offers_no_check_file_so_a_delivery_promised_it_is_outcom
     """OpenSSH's sftp-server answers check-file-name with OP_UNSUPPORTED. A destination whose contract claims
     the extension gets no Completed by size: the evidence it promised is missing, so the outcome is unknown, and
     its receipt says why."""
-    async with partner.connect(openssh.destination()) as sftp:
+    async with connect(openssh.destination()) as sftp:
         with pytest.raises(asyncssh.SFTPOpUnsupported):
             await check_file_sha256(sftp, f"{openssh.destination().final_dir}/anything.csv")
     row = await run_export(harness, await openssh_destination(harness, openssh, hash_evidence="check_file"))
@@ -108,8 +108,8 @@ async def test_openssh__offers_no_check_file_so_a_delivery_promised_it_is_outcom
 async def test_openssh__pinned_host_key_mismatch_refuses_to_connect(openssh: OpenSshPartner):
     wrong = asyncssh.generate_private_key("ssh-ed25519").export_public_key().decode().strip()
     dest = openssh.destination().model_copy(update={"host_key": wrong})
-    with pytest.raises(partner.HostKeyMismatch):
-        async with partner.connect(dest):
+    with pytest.raises(HostKeyMismatch):
+        async with connect(dest):
             pass
 
 
@@ -120,6 +120,6 @@ async def test_openssh__a_pinned_key_of_a_type_the_server_lacks_is_a_host_key_mi
         wrong = asyncssh.generate_private_key(algorithm).export_public_key().decode().strip()
         dest = openssh.destination().model_copy(update={"host_key": wrong})
         for _ in range(5):
-            with pytest.raises(partner.HostKeyMismatch, match="has no host key of the pinned type"):
-                async with partner.connect(dest, connect_timeout=10):
+            with pytest.raises(HostKeyMismatch, match="has no host key of the pinned type"):
+                async with connect(dest, connect_timeout=10):
                     pass

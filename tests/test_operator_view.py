@@ -12,7 +12,6 @@ from activities import checkpoints
 from starter.localstack.partner import LocalPartner
 from starter.localstack.seed import seed_destination
 from store.models import JobRow, Status
-from store.terms import edit_terms
 from tests.support import eventually
 from tests.workflow_support import Harness
 
@@ -83,7 +82,7 @@ async def test_terms_edit__old_version_claim_fails_and_the_edit_wakes_the_new_te
         job_id = await h.create()
         await asyncio.wait_for(hold.reached_event.wait(), timeout=20)
         # The worker evaluated version 1 and is about to claim it; the terms change under it.
-        assert await edit_terms(h.store.engine, tenant_id=h.tenant_id, job_id=job_id, expected_version=1,
+        assert await h.store.edit_terms(tenant_id=h.tenant_id, job_id=job_id, expected_version=1,
                                 destination_id=second_destination)
         edit_message = await h.db.admin.fetchval(
             "SELECT message_id FROM outbox WHERE job_id = $1 ORDER BY created_at DESC LIMIT 1", job_id)

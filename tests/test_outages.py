@@ -63,7 +63,7 @@ async def test_a_worker_started_while_postgresql_and_temporal_are_away_waits_and
         db, store, client, tmp_path):
     temporal_port = free_port()
     async with crash_world(db, store, client, tmp_path) as h, processes(h) as started, \
-            fault_proxy(db.server.socket_dir) as pg:
+            fault_proxy(db.server) as pg:
         pg.refuse_new_connections()
         # A file left in the work directory: the scavenger asks PostgreSQL about it as the worker starts.
         work = Path(h.settings.work_dir)
@@ -104,7 +104,7 @@ async def test_an_upload_that_finishes_during_a_postgresql_outage_is_recorded_wi
     and the terminal write wait for it, in order, and the delivered file ends Completed by sha256, recorded by
     the attempt itself (no recovery runs here)."""
     async with crash_world(db, store, client, tmp_path, upload_throttle_bytes_per_second=8000) as h, \
-            processes(h) as started, fault_proxy(db.server.socket_dir) as pg:
+            processes(h) as started, fault_proxy(db.server) as pg:
         await h.db.admin.execute("UPDATE destinations SET hash_evidence = 'read_back' WHERE id = $1",
                                  h.destination_id)
         outage, renamed = asyncio.Event(), asyncio.Event()
@@ -282,7 +282,7 @@ async def test_sigterm_hands_back_a_build_which_resumes_elsewhere_without_waitin
 async def test_a_step_retried_through_a_postgresql_outage_logs_one_line_a_try_not_a_traceback(
         db, store, client, tmp_path):
     async with crash_world(db, store, client, tmp_path) as h, processes(h) as started, \
-            fault_proxy(db.server.socket_dir) as pg:
+            fault_proxy(db.server) as pg:
         # The activities reach PostgreSQL through the proxy; the dispatcher directly, so the wake-up goes out.
         worker = await WorkerProcess(h.settings, database_url=pg.url("exports_app", db.name)).start()
         started.append(worker)

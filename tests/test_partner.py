@@ -9,16 +9,10 @@ from pathlib import Path
 import asyncssh
 import pytest
 
-from activities.partner import (
-    PIPELINED_WRITES,
-    HostKeyMismatch,
-    PartnerContract,
-    RemoteFile,
-    classify,
-    connect,
-    deliver,
-    load_client_key,
-)
+from activities.destination import PartnerContract
+from activities.outcomes import RemoteFile
+from activities.partner_connection import HostKeyMismatch, connect, load_client_key
+from activities.partner_delivery import PIPELINED_WRITES, deliver
 from activities.sftp_check_file import check_file_sha256
 from starter.localstack.partner import LocalPartner
 from tests.partner_support import Evidence, bounded, make_file, write_as_other_party
@@ -280,22 +274,3 @@ def test_credential_ref_schemes(partner: LocalPartner, monkeypatch: pytest.Monke
     with pytest.raises(ValueError, match="unsupported credential_ref scheme"):
         load_client_key("vault:secret/partner")
 
-
-@pytest.mark.parametrize(
-    ("exc", "step", "exists", "expected"),
-    [
-        (OSError("refused"), "connect", None, "NotDelivered"),
-        (asyncssh.ConnectionLost("lost"), "upload", False, "NotDelivered"),
-        (asyncssh.ConnectionLost("lost"), "upload", None, "OutcomeUnknown"),
-        (asyncssh.ConnectionLost("lost"), "upload", True, "OutcomeUnknown"),
-        (asyncssh.SFTPFailure("exists"), "rename", False, "NotDelivered"),
-        (asyncssh.SFTPFailure("exists"), "rename", True, "OutcomeUnknown"),
-        (asyncssh.SFTPConnectionLost("lost"), "rename", False, "OutcomeUnknown"),
-        (TimeoutError(), "rename", False, "OutcomeUnknown"),
-        (asyncssh.ConnectionLost("lost"), "confirm", True, "OutcomeUnknown"),
-    ],
-)
-def test_classify(exc: BaseException, step: str, exists: bool | None, expected: str) -> None:
-    listing = None if exists is None else RemoteFile(path="/x", exists=exists, size=1 if exists else None)
-    result = classify(exc, step, listing)  # type: ignore[arg-type]
-    assert (result.failure_reason or result.outcome) == expected

@@ -37,7 +37,7 @@ async def bounded(call: Awaitable[T]) -> T:
 
 @pytest.fixture
 async def proxy(db) -> AsyncIterator[PgFaultProxy]:
-    async with fault_proxy(db.server.socket_dir) as running:
+    async with fault_proxy(db.server) as running:
         yield running
 
 
@@ -94,7 +94,7 @@ async def reread_waiting(proxy: PgFaultProxy) -> None:
 
 
 def uncertain_logged(caplog: pytest.LogCaptureFixture) -> bool:
-    return any("is uncertain" in r.getMessage() for r in caplog.records if r.name == "store.jobs")
+    return any("is uncertain" in r.getMessage() for r in caplog.records if r.name == "store.statements")
 
 
 # --- the claim and cutoff 2: the response lost after the commit, the re-read confirms ------------------------------
@@ -106,7 +106,7 @@ async def test_claim_response_lost_after_commit__reread_finds_it_claimed(db, sto
     await warm(faulty, proxy, job_id)
     cut = proxy.cut_after_commit(CLAIM)
     attempt_id = uuid.uuid4()
-    with caplog.at_level(logging.WARNING, logger="store.jobs"):
+    with caplog.at_level(logging.WARNING, logger="store"):
         result = await bounded(faulty.claim(job_id, 1, attempt_id, "worker-a"))
     assert cut.is_set() and uncertain_logged(caplog)  # the COMMIT reply really was lost
     assert proxy.accepted == 2  # the re-read went through a new connection
@@ -125,7 +125,7 @@ async def test_cutoff_2_response_lost_after_commit__reread_finds_it_authorized(
     job = await store.read_job(job_id)
     await warm(faulty, proxy, job_id)
     cut = proxy.cut_after_commit(CUTOFF_2)
-    with caplog.at_level(logging.WARNING, logger="store.jobs"):
+    with caplog.at_level(logging.WARNING, logger="store"):
         result = await bounded(faulty.authorize_delivery(job, attempt_id, built_file(tmp_path, job)))
     assert cut.is_set() and uncertain_logged(caplog)
     assert result is AuthorizationResult.AUTHORIZED
@@ -284,7 +284,7 @@ async def test_terminal_write_response_lost_after_commit__reread_reports_true(
     job_id, attempt_id = await _arrange_terminal(db, store, which)
     await warm(faulty, proxy, job_id)
     cut = proxy.cut_after_commit(marker)
-    with caplog.at_level(logging.WARNING, logger="store.jobs"):
+    with caplog.at_level(logging.WARNING, logger="store"):
         assert await bounded(_terminal_call(faulty, which, job_id, attempt_id)) is True
     assert cut.is_set() and uncertain_logged(caplog)
     row = await job_row(db, job_id)
@@ -313,7 +313,7 @@ async def test_terminal_write_lost_and_reread_refused__false_without_raising(db,
     await warm(faulty, proxy, job_id)
     proxy.refuse_new_connections()
     cut = proxy.cut_after_commit("WITH failed AS")
-    with caplog.at_level(logging.WARNING, logger="store.jobs"):
+    with caplog.at_level(logging.WARNING, logger="store"):
         written = await bounded(faulty.finish_failed(job_id, attempt_id, FailureCode.BUILD_FAILED, "disk full"))
     assert cut.is_set() and written is False
     assert any("leaving it to recovery" in r.getMessage() for r in caplog.records)
@@ -351,7 +351,7 @@ async def test_constraint_violations_are_raised_as_domain_errors_not_uncertain(d
     await db.admin.execute(
         "INSERT INTO export_attempt_events (job_id, attempt_id, kind, recorded_at) "
         "VALUES ($1, $2, 'Claimed', clock_timestamp())", job_id, attempt_id)
-    with caplog.at_level(logging.WARNING, logger="store.jobs"):
+    with caplog.at_level(logging.WARNING, logger="store"):
         assert await bounded(faulty.claim(job_id, 1, attempt_id, "worker-a")) is ClaimResult.LOST
         assert (await job_row(db, job_id))["status"] == "Queued"
 
@@ -408,7 +408,7 @@ async def test_a_pooled_connection_the_server_closed_is_replaced_before_a_write_
     await eventually(lambda: asyncio.sleep(0, proxy.open_connections), lambda n: n == 0, timeout=BOUND,
                      what="the proxy closed the pooled connection")
     await asyncio.sleep(0.2)  # the client's event loop reads the close (it does in well under this)
-    with caplog.at_level(logging.WARNING, logger="store.jobs"):
+    with caplog.at_level(logging.WARNING, logger="store"):
         assert await bounded(faulty.claim(job_id, 1, uuid.uuid4(), "worker-a")) is ClaimResult.CLAIMED
     assert proxy.accepted == 2  # the closed connection was replaced, not used
     assert not [r for r in caplog.records if "uncertain" in r.getMessage()], caplog.text

@@ -13,11 +13,9 @@ import pytest
 from store import errors
 from store.jobs import JobStore
 from store.models import AuthorizationResult, CancellationOutcome, ClaimResult, FailureCode, JobRow, Status
-from store.reconciliation import correct, reconcile
+from store.reconciliation import Reconciliation
 from store.recovery import Recovery
-from store.statements import statement, write
-from store.sweeper import sweep
-from store.terms import edit_terms
+from store.statements import statement
 from tests.store_states import built_file, drive
 from tests.support import create_job, seed_tenant
 
@@ -250,12 +248,13 @@ async def test_reconciler_cannot_rewrite_a_job_without_its_event_but_its_stateme
         await refused(reconciler_conn, (sql, job_id))
     assert {job: await snapshot(db, job) for job in before} == before
 
-    assert await correct(reconciler, tenant_id=tenant_id, job_id=completed, attempt_id=completed_attempt,
-                         recorded_status=Status.COMPLETED, corrected_status=Status.FAILED,
-                         failure_reason=FailureCode.NOT_DELIVERED, corrected_by="rec@example",
-                         evidence_ref="ticket 1", why="never processed")
-    assert await reconcile(reconciler, tenant_id=tenant_id, job_id=unknown, attempt_id=unknown_attempt,
-                           resolution=Status.COMPLETED, reconciled_by="rec@example", evidence_summary="listing")
+    assert await Reconciliation(reconciler).correct(
+        tenant_id=tenant_id, job_id=completed, attempt_id=completed_attempt, recorded_status=Status.COMPLETED,
+        corrected_status=Status.FAILED, failure_reason=FailureCode.NOT_DELIVERED, corrected_by="rec@example",
+        evidence_ref="ticket 1", why="never processed")
+    assert await Reconciliation(reconciler).reconcile(
+        tenant_id=tenant_id, job_id=unknown, attempt_id=unknown_attempt, resolution=Status.COMPLETED,
+        reconciled_by="rec@example", evidence_summary="listing")
     assert (await store.read_job(completed)).status is Status.FAILED
     assert (await store.read_job(unknown)).status is Status.COMPLETED
     assert (await kinds(db, completed))[-1] == "Corrected"
@@ -332,12 +331,14 @@ async def test_each_role_inserts_only_its_own_kinds(db, store, tenant, reconcile
     before = {job: await snapshot(db, job) for job in (unknown, completed)}
     # The application role writes neither a reconciliation nor a correction, even through their statements.
     with pytest.raises(errors.NotPermitted):
-        await reconcile(store.engine, tenant_id=tenant_id, job_id=unknown, attempt_id=unknown_attempt,
-                        resolution=Status.COMPLETED, reconciled_by="app", evidence_summary="none")
+        await Reconciliation(store.engine).reconcile(
+            tenant_id=tenant_id, job_id=unknown, attempt_id=unknown_attempt, resolution=Status.COMPLETED,
+            reconciled_by="app", evidence_summary="none")
     with pytest.raises(errors.NotPermitted):
-        await correct(store.engine, tenant_id=tenant_id, job_id=completed, attempt_id=completed_attempt,
-                      recorded_status=Status.COMPLETED, corrected_status=Status.FAILED,
-                      failure_reason=FailureCode.NOT_DELIVERED, corrected_by="app", evidence_ref="x", why="y")
+        await Reconciliation(store.engine).correct(
+            tenant_id=tenant_id, job_id=completed, attempt_id=completed_attempt, recorded_status=Status.COMPLETED,
+            corrected_status=Status.FAILED, failure_reason=FailureCode.NOT_DELIVERED, corrected_by="app",
+            evidence_ref="x", why="y")
     # The reconciler: only its own kinds, and a transition kind only with its change.
     for kind in ("Finished", "Claimed", "ResolvedByRecovery"):
         await refused(reconciler_conn, (INSERT_EVENT, unknown, unknown_attempt, kind, None))
@@ -387,18 +388,17 @@ async def test_every_documented_transition_still_commits(db, store, tenant, reco
     attempt = uuid.uuid4()
     assert await store.claim(job, 1, attempt, "worker-a") is ClaimResult.CLAIMED
     for holder in ("build-1", "build-2"):
-        assert await write(store.engine, "build_start", job_id=job, attempt_id=attempt, holder=holder,
-                           lease_seconds=5.0, detail=f"{holder} starts") == 1
+        assert await store.start_build(job, attempt, holder, f"{holder} starts")
     assert (await store.read_job(job)).claimed_by == "build-2"
     assert await store.renew_lease(job, attempt)
     row = await store.read_job(job)
     assert await drive_authorize(store, row, attempt)
     assert await store.renew_lease(job, attempt)
     assert await store.finish_delivery(job, attempt, Status.COMPLETED, None, "delivered", confirmed_by="sha256")
-    assert await correct(reconciler, tenant_id=tenant_id, job_id=job, attempt_id=attempt,
-                         recorded_status=Status.COMPLETED, corrected_status=Status.FAILED,
-                         failure_reason=FailureCode.NOT_DELIVERED, corrected_by="rec@example",
-                         evidence_ref="ticket", why="partner lost it")
+    assert await Reconciliation(reconciler).correct(
+        tenant_id=tenant_id, job_id=job, attempt_id=attempt, recorded_status=Status.COMPLETED,
+        corrected_status=Status.FAILED, failure_reason=FailureCode.NOT_DELIVERED, corrected_by="rec@example",
+        evidence_ref="ticket", why="partner lost it")
     assert await kinds(db, job) == ["Claimed", "BuildStarted", "BuildStarted", "DeliveryAuthorized", "Finished",
                                     "Corrected"]
 
@@ -434,8 +434,9 @@ async def test_every_documented_transition_still_commits(db, store, tenant, reco
     await store.append_evidence(job, attempt, "tests", {"listing": "nothing"})
     await expire(db, job)
     assert await recovery.resolve(job, attempt, Status.OUTCOME_UNKNOWN, "no evidence", "run-1")
-    assert await reconcile(reconciler, tenant_id=tenant_id, job_id=job, attempt_id=attempt,
-                           resolution=Status.FAILED, reconciled_by="rec@example", evidence_summary="not there")
+    assert await Reconciliation(reconciler).reconcile(
+        tenant_id=tenant_id, job_id=job, attempt_id=attempt, resolution=Status.FAILED,
+        reconciled_by="rec@example", evidence_summary="not there")
     assert (await store.read_job(job)).failure_reason is FailureCode.NOT_DELIVERED
 
     # Recovery resolves another to Completed; a delivery finishes OutcomeUnknown; a build fails.
@@ -457,9 +458,9 @@ async def test_every_documented_transition_still_commits(db, store, tenant, reco
     job = await create_job(store, tenant_id, destination_id)
     await db.admin.execute("UPDATE export_jobs SET woken_at = clock_timestamp() - interval '2 hours' "
                            "WHERE status = 'Queued'")
-    assert await sweep(store.engine, threshold_seconds=1800, batch=500) == 1
-    assert await edit_terms(store.engine, tenant_id=tenant_id, job_id=job, expected_version=1,
-                            destination_id=destination_id)
+    assert await recovery.sweep(threshold_seconds=1800, batch=500) == 1
+    assert await store.edit_terms(tenant_id=tenant_id, job_id=job, expected_version=1,
+                                  destination_id=destination_id)
     assert await store.reject(job, 2, "destination disabled")
     assert (await store.read_job(job)).status is Status.REJECTED
 

@@ -10,18 +10,18 @@ import pytest
 from store import errors
 from store.db import make_engine
 from store.models import FailureCode, Status
-from store.reconciliation import correct, reconcile
+from store.reconciliation import Reconciliation
 from tests.store_states import drive
 from tests.support import create_job, seed_tenant
 
 
 @pytest.fixture
 async def reconciler(db):
-    engine = make_engine(db.url("reconciler"))
+    reconciliation = Reconciliation(make_engine(db.url("reconciler")))
     try:
-        yield engine
+        yield reconciliation
     finally:
-        await engine.dispose()
+        await reconciliation.aclose()
 
 
 async def events(db, job_id) -> list[tuple[str, str | None, str | None]]:
@@ -52,8 +52,9 @@ async def resolved_unknown(db, store) -> tuple[uuid.UUID, uuid.UUID, uuid.UUID]:
 @pytest.mark.parametrize("resolution", [Status.COMPLETED, Status.FAILED])
 async def test_reconcile__outcome_unknown_settles_and_both_events_survive(db, store, reconciler, resolution):
     tenant_id, job_id, attempt = await resolved_unknown(db, store)
-    assert await reconcile(reconciler, tenant_id=tenant_id, job_id=job_id, attempt_id=attempt,
-                           resolution=resolution, reconciled_by="ops@example", evidence_summary="partner listing")
+    assert await reconciler.reconcile(
+        tenant_id=tenant_id, job_id=job_id, attempt_id=attempt, resolution=resolution,
+        reconciled_by="ops@example", evidence_summary="partner listing")
     row = await store.read_job(job_id)
     expected_code = FailureCode.NOT_DELIVERED if resolution is Status.FAILED else None
     assert (row.status, row.failure_reason) == (resolution, expected_code)
@@ -65,11 +66,13 @@ async def test_reconcile__outcome_unknown_settles_and_both_events_survive(db, st
 @pytest.mark.spec("RC2")
 async def test_reconcile__a_second_reconciled_event_is_refused(db, store, reconciler):
     tenant_id, job_id, attempt = await resolved_unknown(db, store)
-    assert await reconcile(reconciler, tenant_id=tenant_id, job_id=job_id, attempt_id=attempt,
-                           resolution=Status.COMPLETED, reconciled_by="ops", evidence_summary="listing")
+    assert await reconciler.reconcile(
+        tenant_id=tenant_id, job_id=job_id, attempt_id=attempt, resolution=Status.COMPLETED,
+        reconciled_by="ops", evidence_summary="listing")
     # Through the statement: the row is no longer OutcomeUnknown, so nothing matches.
-    assert not await reconcile(reconciler, tenant_id=tenant_id, job_id=job_id, attempt_id=attempt,
-                               resolution=Status.FAILED, reconciled_by="ops", evidence_summary="second look")
+    assert not await reconciler.reconcile(
+        tenant_id=tenant_id, job_id=job_id, attempt_id=attempt, resolution=Status.FAILED, reconciled_by="ops",
+        evidence_summary="second look")
     # Directly: the unique index refuses a second Reconciled event for the attempt.
     with pytest.raises(asyncpg.UniqueViolationError) as refused:
         await db.admin.execute("INSERT INTO export_attempt_events (job_id, attempt_id, kind, recorded_at) "
@@ -90,17 +93,18 @@ async def test_failure_code__tied_to_failed_directly_and_through_the_correction(
         assert refused.value.constraint_name == "ck_export_jobs_failure"
     # Completed -> Failed without a code is refused through the correction too, and changes nothing.
     with pytest.raises(errors.FailureCodeMismatch):
-        await correct(reconciler, tenant_id=tenant_id, job_id=job_id, attempt_id=attempt,
-                      recorded_status=Status.COMPLETED, corrected_status=Status.FAILED, failure_reason=None,
-                      corrected_by="rec@example", evidence_ref="ticket-1", why="no file")
+        await reconciler.correct(
+            tenant_id=tenant_id, job_id=job_id, attempt_id=attempt, recorded_status=Status.COMPLETED,
+            corrected_status=Status.FAILED, failure_reason=None, corrected_by="rec@example",
+            evidence_ref="ticket-1", why="no file")
     assert (await store.read_job(job_id)).status is Status.COMPLETED
     # Failed -> Completed clears the code in the same write, so no Completed row ever carries one.
     other = await create_job(store, tenant_id, destination_id)
     other_attempt = await drive(store, other, Status.FAILED, FailureCode.NOT_DELIVERED)
-    assert await correct(reconciler, tenant_id=tenant_id, job_id=other, attempt_id=other_attempt,
-                         recorded_status=Status.FAILED, corrected_status=Status.COMPLETED,
-                         failure_reason=FailureCode.NOT_DELIVERED, corrected_by="rec@example",
-                         evidence_ref="ticket-2", why="partner confirmed")
+    assert await reconciler.correct(tenant_id=tenant_id, job_id=other, attempt_id=other_attempt,
+                                    recorded_status=Status.FAILED, corrected_status=Status.COMPLETED,
+                                    failure_reason=FailureCode.NOT_DELIVERED, corrected_by="rec@example",
+                                    evidence_ref="ticket-2", why="partner confirmed")
     row = await store.read_job(other)
     assert (row.status, row.failure_reason, row.confirmed_by) == (Status.COMPLETED, None, "correction")
 
@@ -110,20 +114,22 @@ async def test_correction__once_with_who_and_why_second_refused(db, store, recon
     tenant_id, destination_id = await seed_tenant(db.admin)
     job_id = await create_job(store, tenant_id, destination_id)
     attempt = await drive(store, job_id, Status.COMPLETED)
-    assert await correct(reconciler, tenant_id=tenant_id, job_id=job_id, attempt_id=attempt,
-                         recorded_status=Status.COMPLETED, corrected_status=Status.FAILED,
-                         failure_reason=FailureCode.NOT_DELIVERED, corrected_by="rec@example",
-                         evidence_ref="partner ticket 7", why="partner never processed it")
+    assert await reconciler.correct(tenant_id=tenant_id, job_id=job_id, attempt_id=attempt,
+                                    recorded_status=Status.COMPLETED, corrected_status=Status.FAILED,
+                                    failure_reason=FailureCode.NOT_DELIVERED, corrected_by="rec@example",
+                                    evidence_ref="partner ticket 7", why="partner never processed it")
     assert (await events(db, job_id))[-1] == (
         "Corrected", "rec@example", "Completed to Failed: partner ticket 7; partner never processed it")
     # A recorded status that no longer holds matches nothing; a second correction of the attempt is refused.
-    assert not await correct(reconciler, tenant_id=tenant_id, job_id=job_id, attempt_id=attempt,
-                             recorded_status=Status.COMPLETED, corrected_status=Status.FAILED,
-                             failure_reason=FailureCode.NOT_DELIVERED, corrected_by="rec", evidence_ref="x", why="y")
+    assert not await reconciler.correct(
+        tenant_id=tenant_id, job_id=job_id, attempt_id=attempt, recorded_status=Status.COMPLETED,
+        corrected_status=Status.FAILED, failure_reason=FailureCode.NOT_DELIVERED, corrected_by="rec",
+        evidence_ref="x", why="y")
     with pytest.raises(errors.TransitionAlreadyRecorded):
-        await correct(reconciler, tenant_id=tenant_id, job_id=job_id, attempt_id=attempt,
-                      recorded_status=Status.FAILED, corrected_status=Status.COMPLETED, failure_reason=None,
-                      corrected_by="rec", evidence_ref="x", why="changed my mind")
+        await reconciler.correct(
+            tenant_id=tenant_id, job_id=job_id, attempt_id=attempt, recorded_status=Status.FAILED,
+            corrected_status=Status.COMPLETED, failure_reason=None, corrected_by="rec", evidence_ref="x",
+            why="changed my mind")
     row = await store.read_job(job_id)
     assert (row.status, row.failure_reason) == (Status.FAILED, FailureCode.NOT_DELIVERED)
 
@@ -137,10 +143,10 @@ async def test_correction__refused_for_the_worker_and_api_roles(db, store, role)
     engine = make_engine(db.url(role))
     try:
         with pytest.raises(errors.NotPermitted):
-            await correct(engine, tenant_id=tenant_id, job_id=job_id, attempt_id=attempt,
-                          recorded_status=Status.COMPLETED, corrected_status=Status.FAILED,
-                          failure_reason=FailureCode.NOT_DELIVERED, corrected_by="intruder",
-                          evidence_ref="none", why="try")
+            await Reconciliation(engine).correct(
+                tenant_id=tenant_id, job_id=job_id, attempt_id=attempt, recorded_status=Status.COMPLETED,
+                corrected_status=Status.FAILED, failure_reason=FailureCode.NOT_DELIVERED,
+                corrected_by="intruder", evidence_ref="none", why="try")
     finally:
         await engine.dispose()
     assert (await store.read_job(job_id)).status is Status.COMPLETED

@@ -11,17 +11,17 @@ import pytest
 from store import errors
 from store.db import make_engine
 from store.models import AuthorizationResult, FailureCode, Status
-from store.reconciliation import correct
+from store.reconciliation import Reconciliation
 from store.statements import statement
-from store.terms import create_replacement
 from tests.store_states import built_file, drive
 from tests.support import create_job, eventually, seed_tenant
 
 
 async def replace(store, tenant_id, original_id, **kwargs) -> uuid.UUID:
     job_id = kwargs.pop("job_id", uuid.uuid4())
-    await create_replacement(store.engine, tenant_id=tenant_id, original_job_id=original_id, job_id=job_id,
-                             created_by="operator@example", replacement_reason="original never arrived", **kwargs)
+    await store.create_replacement(
+        tenant_id=tenant_id, original_job_id=original_id, job_id=job_id, created_by="operator@example",
+        replacement_reason="original never arrived", **kwargs)
     return job_id
 
 
@@ -200,8 +200,8 @@ async def test_correction__waits_for_a_cutoff_2_that_commits_first_then_succeeds
         holder = (await cutoff.exec_driver_sql("SELECT pg_backend_pid()")).scalar()
         reconciler = make_reconciler_engine(db)
         try:
-            correction = asyncio.create_task(correct(
-                reconciler, tenant_id=tenant_id, job_id=original, attempt_id=original_attempt,
+            correction = asyncio.create_task(Reconciliation(reconciler).correct(
+                tenant_id=tenant_id, job_id=original, attempt_id=original_attempt,
                 recorded_status=Status.FAILED, corrected_status=Status.COMPLETED, failure_reason=None,
                 corrected_by="reconciler@example", evidence_ref="partner listing 2026-11-30", why="file found"))
             await eventually(lambda: waiting_on(db, holder, "WITH corrected AS"), bool, timeout=10,
@@ -224,9 +224,10 @@ async def test_cutoff_2__refused_for_a_replacement_whose_original_was_corrected_
     attempt = await drive(store, replacement, Status.RUNNING)
     reconciler = make_reconciler_engine(db)
     try:
-        assert await correct(reconciler, tenant_id=tenant_id, job_id=original, attempt_id=original_attempt,
-                             recorded_status=Status.FAILED, corrected_status=Status.COMPLETED, failure_reason=None,
-                             corrected_by="reconciler@example", evidence_ref="listing", why="found")
+        assert await Reconciliation(reconciler).correct(
+            tenant_id=tenant_id, job_id=original, attempt_id=original_attempt, recorded_status=Status.FAILED,
+            corrected_status=Status.COMPLETED, failure_reason=None, corrected_by="reconciler@example",
+            evidence_ref="listing", why="found")
     finally:
         await reconciler.dispose()
     row = await store.read_job(replacement)

@@ -15,8 +15,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store.jobs import JobStore
 from store.models import ClaimResult, Status
+from store.recovery import Recovery
 from store.statements import statement
-from store.sweeper import sweep, sweep_all
 from tests.support import create_job, seed_tenant
 
 WAIT = 5.0  # every wait in this module is bounded by this many seconds
@@ -59,9 +59,14 @@ async def job(db, job_id: uuid.UUID) -> asyncpg.Record:
         "WHERE id = $1", job_id)
 
 
+def sweeper(engine: AsyncEngine) -> Recovery:
+    """The sweeper's statements run as Recovery's, on the application role's engine."""
+    return Recovery(engine, max_attempts=3)
+
+
 async def sweep_once(engine: AsyncEngine, threshold: float) -> int:
     # Bounded: the sweep never waits for a locked row, so it must finish promptly even while one is held.
-    return await asyncio.wait_for(sweep(engine, threshold_seconds=threshold, batch=500), WAIT)
+    return await asyncio.wait_for(sweeper(engine).sweep(threshold_seconds=threshold, batch=500), WAIT)
 
 
 @pytest.mark.spec("SW1")
@@ -93,13 +98,13 @@ async def test_lost_message_after_31_minutes_is_republished_and_29_is_not(db, st
 @pytest.mark.spec("SW1")
 async def test_sweep_all_drains_a_backlog_in_bounded_batches(db, store, app_engine, tenant, threshold):
     jobs = [await queued(db, store, tenant, minutes_since_wake=40 + i) for i in range(7)]
-    assert await sweep(app_engine, threshold_seconds=threshold, batch=3) == 3
+    assert await sweeper(app_engine).sweep(threshold_seconds=threshold, batch=3) == 3
     # Oldest first.
     assert [(await job(db, j))["sweep_count"] for j in jobs[-3:]] == [1, 1, 1]
-    assert await sweep_all(app_engine, threshold_seconds=threshold, batch=3) == 4
+    assert await sweeper(app_engine).sweep_all(threshold_seconds=threshold, batch=3) == 4
     for job_id in jobs:
         assert ((await job(db, job_id))["sweep_count"], len(await outbox(db, job_id))) == (1, 2)
-    assert await sweep_all(app_engine, threshold_seconds=threshold, batch=3) == 0
+    assert await sweeper(app_engine).sweep_all(threshold_seconds=threshold, batch=3) == 0
 
 
 @pytest.mark.spec("SW2")
@@ -153,7 +158,7 @@ async def test_sweeps_racing_claims_and_cancellations_never_wake_a_job_that_left
     async def keep_sweeping() -> int:
         total = 0
         while len(left) < len(jobs):
-            total += await asyncio.wait_for(sweep(app_engine, threshold_seconds=threshold, batch=1), WAIT)
+            total += await asyncio.wait_for(sweeper(app_engine).sweep(threshold_seconds=threshold, batch=1), WAIT)
             await age_all()
         return total
 

@@ -10,7 +10,6 @@ import pytest
 from store import errors
 from store.models import ClaimResult, Status
 from store.statements import SQL_DIR
-from store.terms import edit_terms
 from tests.support import create_job, seed_tenant
 from starter.localstack.seed import seed_destination
 
@@ -31,8 +30,8 @@ async def job(db, store):
 async def test_edit__version_incremented_woken_at_from_database_clock_new_outbox_row(db, store, job):
     tenant_id, job_id, new_destination = job
     before = await db.admin.fetchval("SELECT clock_timestamp()")
-    assert await edit_terms(store.engine, tenant_id=tenant_id, job_id=job_id, expected_version=1,
-                            destination_id=new_destination)
+    assert await store.edit_terms(tenant_id=tenant_id, job_id=job_id, expected_version=1,
+                                  destination_id=new_destination)
     after = await db.admin.fetchval("SELECT clock_timestamp()")
     row = await store.read_job(job_id)
     assert (row.version, row.destination_id, row.status) == (2, new_destination, Status.QUEUED)
@@ -57,8 +56,8 @@ def test_sql_files__every_write_to_a_terms_column_increments_version():
 
 async def test_edit__a_worker_holding_the_old_version_fails_its_claim(db, store, job):
     tenant_id, job_id, new_destination = job
-    assert await edit_terms(store.engine, tenant_id=tenant_id, job_id=job_id, expected_version=1,
-                            destination_id=new_destination)
+    assert await store.edit_terms(tenant_id=tenant_id, job_id=job_id, expected_version=1,
+                                  destination_id=new_destination)
     assert await store.claim(job_id, 1, uuid.uuid4(), "worker-old-terms") is ClaimResult.LOST
     assert await db.admin.fetchval("SELECT count(*) FROM export_attempt_events WHERE job_id = $1", job_id) == 0
     assert await store.claim(job_id, 2, uuid.uuid4(), "worker-new-terms") is ClaimResult.CLAIMED
@@ -67,13 +66,13 @@ async def test_edit__a_worker_holding_the_old_version_fails_its_claim(db, store,
 async def test_edit__stale_version_started_or_foreign_job_changes_nothing(db, store, job):
     tenant_id, job_id, new_destination = job
     other_tenant, _ = await seed_tenant(db.admin)
-    assert not await edit_terms(store.engine, tenant_id=tenant_id, job_id=job_id, expected_version=7,
-                                destination_id=new_destination)
-    assert not await edit_terms(store.engine, tenant_id=other_tenant, job_id=job_id, expected_version=1,
-                                destination_id=new_destination)
+    assert not await store.edit_terms(tenant_id=tenant_id, job_id=job_id, expected_version=7,
+                                      destination_id=new_destination)
+    assert not await store.edit_terms(tenant_id=other_tenant, job_id=job_id, expected_version=1,
+                                      destination_id=new_destination)
     with pytest.raises(errors.UnknownDestination):
-        await edit_terms(store.engine, tenant_id=tenant_id, job_id=job_id, expected_version=1,
-                         destination_id=uuid.uuid4())
+        await store.edit_terms(tenant_id=tenant_id, job_id=job_id, expected_version=1,
+                               destination_id=uuid.uuid4())
     row = await store.read_job(job_id)
     assert (row.version, row.destination_id == new_destination) == (1, False)
     assert await db.admin.fetchval("SELECT count(*) FROM outbox WHERE job_id = $1", job_id) == 1

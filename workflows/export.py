@@ -13,7 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy, SearchAttributeKey
+from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
 from temporalio.workflow import ActivityCancellationType
 
@@ -39,15 +39,18 @@ with workflow.unsafe.imports_passed_through():
         ExportResult,
         Wake,
     )
+    from activities.error_types import EXPORT_NOT_CREATED, EXPORT_NOT_FOUND, INVALID_EXPORT_INPUT
+    from activities.exports import ExportActivities
     from store.models import AuthorizationResult, CancellationOutcome, ClaimResult, JobRow, Status
 
-EXPORT_STATUS = SearchAttributeKey.for_keyword("ExportStatus")
-EXPORT_TENANT = SearchAttributeKey.for_keyword("ExportTenant")
-DELIVERY_KEY = SearchAttributeKey.for_keyword("DeliveryKey")
-EXPORT_ATTEMPTS = SearchAttributeKey.for_int("ExportAttempts")
-# How a Completed was confirmed (sha256, acknowledgment, size, reconciliation, correction); absent otherwise.
-EXPORT_CONFIRMED_BY = SearchAttributeKey.for_keyword("ExportConfirmedBy")
-SEARCH_ATTRIBUTES = (EXPORT_STATUS, EXPORT_TENANT, DELIVERY_KEY, EXPORT_ATTEMPTS, EXPORT_CONFIRMED_BY)
+from workflows.identity import (
+    DELIVERY_KEY,
+    EXPORT_ATTEMPTS,
+    EXPORT_CONFIRMED_BY,
+    EXPORT_STATUS,
+    EXPORT_TENANT,
+    export_workflow_id,
+)
 
 # Short steps on the shared queue: each is a conditional statement, safe to retry, but never without bound (about
 # four minutes of retries ride out a database restart); a definite refusal is not retried at all (the worker's
@@ -157,11 +160,12 @@ class ExportWorkflow:
     async def _drive(self, request: ExportInput) -> ExportResult:
         if request.create is not None:
             try:
-                await workflow.execute_activity(
-                    "create_export", request.create, summary=f"create, key {request.create.delivery_key}", **_SHORT
+                await workflow.execute_activity_method(
+                    ExportActivities.create_export, request.create,
+                    summary=f"create, key {request.create.delivery_key}", **_SHORT
                 )
             except ActivityError as err:
-                raise ApplicationError(f"the export was not created: {_cause(err)}", type="ExportNotCreated",
+                raise ApplicationError(f"the export was not created: {_cause(err)}", type=EXPORT_NOT_CREATED,
                                        non_retryable=True) from None
         canceller = asyncio.create_task(self._serve_cancellations())
         job_id = str(request.job_id)
@@ -197,8 +201,8 @@ class ExportWorkflow:
         """Policy and the claim in one step, then the attempt. The settled row, or None to read the row again."""
         attempt_id = workflow.uuid4()
         try:
-            admission: Admission = await workflow.execute_activity(
-                "claim_if_allowed", AdmitInput(job_id=job_id, attempt_id=attempt_id), result_type=Admission,
+            admission: Admission = await workflow.execute_activity_method(
+                ExportActivities.claim_if_allowed, AdmitInput(job_id=job_id, attempt_id=attempt_id),
                 summary="read row, evaluate policy, claim", **_SHORT
             )
         except ActivityError as err:
@@ -221,8 +225,8 @@ class ExportWorkflow:
 
     async def _evaluate_then_attempt(self, job_id: str) -> JobRow | None:
         try:
-            evaluation: Evaluation = await workflow.execute_activity(
-                "evaluate_policy", job_id, result_type=Evaluation, summary="read row, evaluate policy",
+            evaluation: Evaluation = await workflow.execute_activity_method(
+                ExportActivities.evaluate_policy, job_id, summary="read row, evaluate policy",
                 **_SHORT
             )
         except ActivityError as err:
@@ -245,7 +249,7 @@ class ExportWorkflow:
 
     def _observe(self, row: JobRow | None, *, show: bool = True) -> JobRow:
         if row is None:
-            raise ApplicationError("no export with this ID", type="ExportNotFound", non_retryable=True)
+            raise ApplicationError("no export with this ID", type=EXPORT_NOT_FOUND, non_retryable=True)
         self._row = row
         self._request_stop_for_temporal_cancel()
         if show:
@@ -300,10 +304,9 @@ class ExportWorkflow:
         """One attempt from the claim to its terminal write. True when the row should be re-read at once."""
         attempt_id = workflow.uuid4()
         try:
-            claim: ClaimOutput = await workflow.execute_activity(
-                "claim",
+            claim: ClaimOutput = await workflow.execute_activity_method(
+                ExportActivities.claim,
                 ClaimInput(job_id=row.id, checked_version=row.version, attempt_id=attempt_id),
-                result_type=ClaimOutput,
                 summary=f"claim, attempt {row.attempt_count + 1}",
                 **_SHORT,
             )
@@ -341,10 +344,9 @@ class ExportWorkflow:
             "retry_policy": RetryPolicy(maximum_attempts=1),
         }
         try:
-            authorized: AuthorizeOutput = await workflow.execute_activity(
-                "authorize_delivery",
+            authorized: AuthorizeOutput = await workflow.execute_activity_method(
+                ExportActivities.authorize_delivery,
                 AuthorizeInput(job=row, attempt_id=attempt_id, file=file),
-                result_type=AuthorizeOutput,
                 start_to_close_timeout=timedelta(seconds=60),
                 summary="cutoff 2: authorize delivery",
                 **on_worker,
@@ -355,10 +357,9 @@ class ExportWorkflow:
             return True
         self._show(Status.DELIVERING, attempt_number)
         try:
-            delivered: DeliverOutput = await workflow.execute_activity(
-                "deliver",
+            delivered: DeliverOutput = await workflow.execute_activity_method(
+                ExportActivities.deliver,
                 DeliverInput(job=row, attempt_id=attempt_id, file=file),
-                result_type=DeliverOutput,
                 start_to_close_timeout=timedelta(hours=6),
                 heartbeat_timeout=lease,
                 summary=f"upload {file.final_name}, {_size(file.size)}",
@@ -385,10 +386,9 @@ class ExportWorkflow:
         for resumption in range(_BUILD_RESUMPTIONS + 1):
             if self._stop_seen:
                 return await self._stop_without_build(attempt)
-            self._build = workflow.start_activity(
-                "build",
+            self._build = workflow.start_activity_method(
+                ExportActivities.build,
                 attempt.model_copy(update={"resumption": resumption}),
-                result_type=BuildOutput,
                 task_queue=queue,
                 start_to_close_timeout=timedelta(hours=6),
                 schedule_to_start_timeout=lease,
@@ -433,8 +433,8 @@ class ExportWorkflow:
         """Record the stop for an attempt whose build is not running: Running -> Stopped, conditional on this
         attempt and on the recorded stop request, so a build that does run on somewhere is refused at cutoff 2."""
         try:
-            await workflow.execute_activity(
-                "stop_attempt", attempt, result_type=bool, summary="stop, no build running", **_SHORT
+            await workflow.execute_activity_method(
+                ExportActivities.stop_attempt, attempt, summary="stop, no build running", **_SHORT
             )
         except ActivityError as err:
             # The stop request is recorded in the row: cutoff 2 refuses the attempt, and recovery stops it.
@@ -456,10 +456,9 @@ class ExportWorkflow:
             request = self._cancels.pop(0)
             self._cancel_in_flight = True
             try:
-                recorded: CancelOutput = await workflow.execute_activity(
-                    "record_cancellation",
+                recorded: CancelOutput = await workflow.execute_activity_method(
+                    ExportActivities.record_cancellation,
                     request,
-                    result_type=CancelOutput,
                     summary=f"cancellation request by {request.requested_by}",
                     **_SHORT,
                 )
@@ -514,13 +513,13 @@ def _validated_start(payload: Any) -> ExportInput:
         request = ExportInput.model_validate(payload)
     except ValidationError as exc:
         problem = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'input'}: {e['msg']}" for e in exc.errors())
-        raise ApplicationError(f"invalid start input, nothing written: {problem}", type="InvalidExportInput",
+        raise ApplicationError(f"invalid start input, nothing written: {problem}", type=INVALID_EXPORT_INPUT,
                                non_retryable=True) from None
-    expected = f"export-{request.job_id}"
+    expected = export_workflow_id(request.job_id)
     if workflow.info().workflow_id != expected:
         raise ApplicationError(f"an export's workflow ID must be {expected!r}, not {workflow.info().workflow_id!r}; "
-                               "nothing written", type="InvalidExportInput", non_retryable=True)
+                               "nothing written", type=INVALID_EXPORT_INPUT, non_retryable=True)
     if request.create is not None and request.create.job_id != request.job_id:
         raise ApplicationError(f"create.job_id {request.create.job_id} differs from job_id {request.job_id}; "
-                               "nothing written", type="InvalidExportInput", non_retryable=True)
+                               "nothing written", type=INVALID_EXPORT_INPUT, non_retryable=True)
     return request

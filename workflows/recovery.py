@@ -23,6 +23,7 @@ with workflow.unsafe.imports_passed_through():
         SweepInput,
         TakeoverOutput,
     )
+    from activities.recovery import RecoveryActivities
 
 _STEP = {
     "start_to_close_timeout": timedelta(seconds=60),
@@ -62,15 +63,14 @@ class RecoveryWorkflow:
         return RecoveryReport(nominated=len(candidates), taken_over=taken)
 
     async def _nominate(self, request: RecoveryInput) -> list[Candidate]:
-        return await workflow.execute_activity(
-            "nominate_expired", request, result_type=list[Candidate], summary="nominate expired leases", **_STEP
+        return await workflow.execute_activity_method(
+            RecoveryActivities.nominate_expired, request, summary="nominate expired leases", **_STEP
         )
 
     async def _take_over(self, candidate: Candidate) -> TakeoverOutput:
-        return await workflow.execute_activity(
-            "take_over",
+        return await workflow.execute_activity_method(
+            RecoveryActivities.take_over,
             candidate,
-            result_type=TakeoverOutput,
             summary=f"take over export {candidate.job_id}, {candidate.status.value}, "
                     f"attempt {candidate.attempt_count}",
             **_STEP,
@@ -81,8 +81,8 @@ class RecoveryWorkflow:
 class SweeperWorkflow:
     @workflow.run
     async def run(self, request: SweepInput) -> int:
-        return await workflow.execute_activity(
-            "sweep", request, result_type=int, summary="republish queued jobs with old wake-ups", **_STEP
+        return await workflow.execute_activity_method(
+            RecoveryActivities.sweep, request, summary="republish queued jobs with old wake-ups", **_STEP
         )
 
 
@@ -92,13 +92,13 @@ class PartnerSweepWorkflow:
 
     @workflow.run
     async def run(self) -> list[PartnerSweepOutput]:
-        refs: list[DestinationRef] = await workflow.execute_activity(
-            "list_destinations", result_type=list[DestinationRef], summary="list destinations", **_STEP
+        refs: list[DestinationRef] = await workflow.execute_activity_method(
+            RecoveryActivities.list_destinations, summary="list destinations", **_STEP
         )
         swept = []
         for ref in refs:
-            swept.append(await workflow.execute_activity(
-                "sweep_partner_temp_files", ref, result_type=PartnerSweepOutput,
+            swept.append(await workflow.execute_activity_method(
+                RecoveryActivities.sweep_partner_temp_files, ref,
                 summary=f"sweep temporary files at destination {ref.destination_id}", **_STEP,
             ))
         return swept

@@ -26,7 +26,7 @@ from asyncssh.packet import SSHPacket
 from asyncssh.sftp import SFTPServerHandler
 from asyncssh.stream import SSHReader, SSHServerStreamSession, SSHWriter
 
-from activities.partner import DestinationConfig
+from activities.destination import DestinationConfig
 from activities.sftp_check_file import ALGORITHM, CHECK_FILE_NAME, CheckFileReply, CheckFileRequest
 
 logger = logging.getLogger(__name__)

@@ -10,13 +10,9 @@ from pathlib import Path
 
 from starter.localstack import processes
 from starter.localstack.ports import free_port, port_is_free, wait_for_port
+from workflows.identity import search_attribute_kinds
 
 log = logging.getLogger(__name__)
-
-# Registered at start; on a production cluster, `temporal operator search-attribute create` (README).
-SEARCH_ATTRIBUTES = {"ExportStatus": "Keyword", "ExportTenant": "Keyword", "DeliveryKey": "Keyword",
-                     "ExportAttempts": "Int", "ExportConfirmedBy": "Keyword"}
-
 
 def temporal_binary() -> str:
     beside = Path(sys.executable).parent / "temporal"
@@ -47,7 +43,7 @@ class LocalTemporal:
             "server", "start-dev", "--ip", "127.0.0.1", "--port", str(self.port), "--ui-port", str(self.ui_port),
             "--db-filename", str(self.state_dir / "temporal.db"), "--log-level", "warn",
         ]
-        for name, kind in SEARCH_ATTRIBUTES.items():
+        for name, kind in search_attribute_kinds().items():  # on a cluster: `temporal operator search-attribute create`
             args += ["--search-attribute", f"{name}={kind}"]
         self.process = await processes.spawn(temporal_binary(), *args, log_path=self.state_dir / "temporal.log")
         await wait_for_port(self.port, timeout=60)

@@ -1,0 +1,154 @@
+"""The delivery side of an attempt, on the worker that built its file: cutoff 2 (`authorize_delivery`) and the
+upload past it (`deliver`), which runs to its end and waits out a database outage for its evidence and terminal
+write."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from uuid import UUID
+
+from temporalio import activity
+
+from activities import checkpoints, metrics, partner_delivery
+from activities.builder import remove_local_file
+from activities.contracts import AuthorizeInput, AuthorizeOutput, DeliverInput, DeliverOutput
+from activities.destination import DestinationConfig, Replacement
+from activities.evidence import EvidenceLog
+from activities.export_base import ExportActivitiesBase
+from activities.outcomes import DeliveryResult
+from activities.patience import retry_patiently, run_to_end
+from store import errors
+from store.models import AuthorizationResult, FailureCode, JobRow, Status
+
+log = logging.getLogger(__name__)
+
+
+class DeliveryActivities(ExportActivitiesBase):
+    @activity.defn
+    async def authorize_delivery(self, request: AuthorizeInput) -> AuthorizeOutput:
+        """Cutoff 2, and what its refusal means. The file is removed unless delivery was authorized; the lease is
+        handed on to the delivery only then."""
+        job, attempt_id, file = request.job, request.attempt_id, request.file
+        lease = self._keeper(job.id, attempt_id, file.holder)
+        result = AuthorizationResult.UNKNOWN
+        try:
+            await self.checkpoints.reached(checkpoints.BEFORE_CUTOFF_2, job.id)
+            try:
+                result = await self.store.authorize_delivery(job, attempt_id, file)
+                if result is AuthorizationResult.LEASE_LAPSED and await lease.renew_now():
+                    # Still the owner, only late: the renewal succeeds only if no takeover committed. Retry once.
+                    result = await self.store.authorize_delivery(job, attempt_id, file)
+            except Exception:
+                # Whatever the row now says, this attempt will not deliver this file: recovery reads the row.
+                remove_local_file(file.path)
+                raise
+            if result is AuthorizationResult.STOP_RECORDED:
+                async with lease.terminal_write():
+                    await self.store.finish_stopped(job.id, attempt_id, "BeforeDelivery", holder=file.holder)
+            elif result is AuthorizationResult.ORIGINAL_COMPLETED:
+                async with lease.terminal_write():
+                    await self.store.finish_failed(job.id, attempt_id, FailureCode.ORIGINAL_DELIVERED,
+                                                   holder=file.holder)
+            # LeaseLapsed again, NotOwner or Unknown: write nothing to the row; recovery takes it from there.
+            if result is AuthorizationResult.AUTHORIZED:
+                self._hand_over(lease)
+            else:
+                remove_local_file(file.path)
+            return AuthorizeOutput(result=result)
+        finally:
+            if result is not AuthorizationResult.AUTHORIZED:
+                await lease.finish()
+
+    async def _replacement(self, job: JobRow) -> Replacement | None:
+        """For a replacement, what identifies its original's file, and whether an overwrite was agreed."""
+        if job.replaces_job_id is None:
+            return None
+        original = await self.store.read_job(job.replaces_job_id, tenant_id=job.tenant_id)
+        return Replacement(
+            original_bytes=original.expected_file_bytes if original else None,
+            original_sha256=original.expected_file_sha256.hex() if original and original.expected_file_sha256
+            else None,
+            overwrite_agreed=job.overwrite_agreement_ref is not None,
+        )
+
+    @activity.defn
+    async def deliver(self, request: DeliverInput) -> DeliverOutput:
+        """Past the point of no return: stop requests are recorded, not obeyed, a lost lease does not stop the
+        upload, and neither does the activity's cancellation (a terminated workflow, a shutdown): the upload
+        runs shielded to its end, so that its evidence and terminal write are made."""
+        return await run_to_end(
+            self._deliver(request),
+            on_cancel=lambda: log.warning("export %s: cancellation during delivery is ignored; the upload finishes",
+                                          request.job.id),
+        )
+
+    async def _deliver(self, request: DeliverInput) -> DeliverOutput:
+        job, attempt_id, file = request.job, request.attempt_id, request.file
+        progress = {"sent": 0, "total": file.size}
+        observed_by = f"{self.worker_id}/{attempt_id}"
+
+        evidence = EvidenceLog(lambda detail: self.store.append_evidence(job.id, attempt_id, observed_by, detail),
+                               attempt=attempt_id)
+        record_evidence = evidence.record
+
+        lease = self._keeper(job.id, attempt_id, file.holder)
+        try:
+            async with self._heartbeating(lambda: dict(progress)):
+                await self.checkpoints.reached(checkpoints.BEFORE_UPLOAD, job.id)
+                # Nothing irreversible without a lease confirmed now: a renewal that matches exactly one row.
+                if not await lease.confirm(within=self.settings.lease_seconds):
+                    summary = "not uploaded: the attempt could not confirm its lease before connecting"
+                    log.warning("export %s attempt %s: %s", job.id, attempt_id, summary)
+                    await record_evidence({"step": "not_uploaded", "why": summary})
+                    return DeliverOutput(summary=summary, written=False)
+                destination = await self.store.read_destination(job.tenant_id, job.destination_id)
+                if destination is None:
+                    result = DeliveryResult(
+                        outcome="Failed", failure_reason="NotDelivered", summary="destination vanished before upload"
+                    )
+                else:
+                    result = await metrics.timed_delivery(job.destination_id, file.size, partner_delivery.deliver(
+                        DestinationConfig.from_row(destination),
+                        file.path,
+                        file.final_name,
+                        partner_delivery.temp_file_name(file.final_name, attempt_id),
+                        record_evidence=record_evidence,
+                        on_progress=lambda sent, total: progress.update(sent=sent),
+                        throttle_bytes_per_second=self.settings.upload_throttle_bytes_per_second,
+                        expected_sha256=file.sha256_hex,
+                        replacement=await self._replacement(job),
+                    ))
+                await self.checkpoints.reached(checkpoints.AFTER_RECEIPT, job.id)
+                outcome = Status(result.outcome)
+                failure = FailureCode(result.failure_reason) if result.failure_reason else None
+                async def evidence_then_outcome() -> bool:
+                    await evidence.flush()
+                    return await self.store.finish_delivery(job.id, attempt_id, outcome, failure, result.summary,
+                                                            holder=file.holder, confirmed_by=result.confirmed_by)
+
+                # Only this attempt knows what happened at the partner: wait out an outage rather than leave
+                # recovery to judge without the receipt. The keeper keeps renewing meanwhile.
+                async with lease.terminal_write():
+                    written = await retry_patiently(
+                        evidence_then_outcome, retryable=errors.is_transient,
+                        patience=self.settings.store_outage_patience_seconds, first_delay=0.5, max_delay=5.0,
+                        what=f"the outcome of {job.id} attempt {attempt_id} waits for the database")
+        finally:
+            remove_local_file(file.path)
+            await lease.finish()
+        if not written:
+            log.warning("terminal write of %s attempt %s matched nothing; recovery reconciles from evidence",
+                        job.id, attempt_id)
+        return DeliverOutput(outcome=outcome, failure_reason=failure, summary=result.summary, written=written,
+                             row=await self._row_after(job.id) if written else None)
+
+    async def _row_after(self, job_id: UUID) -> JobRow | None:
+        """The row as the terminal write left it; None if it cannot be read now (the workflow reads it then)."""
+        try:
+            async with asyncio.timeout(self.settings.reread_timeout_seconds):
+                return await self.store.read_job(job_id)
+        except Exception as exc:  # noqa: BLE001 - only a shortcut is lost: the workflow re-reads the row itself
+            log.info("could not read %s back after its terminal write: %s", job_id, exc)
+            return None
+

@@ -1,0 +1,24 @@
+"""The ApplicationError types that the export's activities and workflows raise, each named once: what a client, a
+test or an operator reading a history matches a failure on. Imports only temporalio, so a workflow imports it as
+it is, in the sandbox too.
+
+Two failures carry no type (an export ID taken by another export, a workflow ID that is not an export's): their
+message says what happened, and adding a type now would change what running histories record."""
+
+from __future__ import annotations
+
+from temporalio.exceptions import ApplicationError
+
+# The start's input does not validate, its workflow ID is not `export-<job id>`, or `create.job_id` differs from
+# `job_id`: the run fails at once, before anything is written.
+INVALID_EXPORT_INPUT = "InvalidExportInput"
+# The run's creation step failed: this run created no export.
+EXPORT_NOT_CREATED = "ExportNotCreated"
+# The run read no row for its job ID.
+EXPORT_NOT_FOUND = "ExportNotFound"
+
+
+def store_refusal(exc: BaseException, message: str) -> ApplicationError:
+    """A definite refusal from the store (a constraint, invalid text, a privilege), typed by the refusal's class name
+    (`ConstraintViolation`, `NotPermitted`, or the driver's own), and not retried: no retry could change it."""
+    return ApplicationError(message, type=type(exc).__name__, non_retryable=True)

@@ -1,0 +1,348 @@
+"""One delivery of a local file to a partner's SFTP server, and what the partner side then is (`deliver`); the
+temporary names it writes under, and the sweep of those the partner was left with.
+
+The partner processes whatever appears under its final directory, so the file is written under a temporary
+name that the partner ignores and then moved into place with the SFTP v3 `rename`, which refuses to replace an
+existing name. That rename is the one irreversible step: everything before it can be proven undelivered by a
+fresh listing, everything from it on can only be proven delivered by a listing that confirms it. What a failure
+means is decided by the rules in activities/outcomes.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import posixpath
+import re
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+from uuid import UUID
+
+import asyncssh
+
+from activities import outcomes
+from activities.destination import DestinationConfig, Replacement
+from activities.outcomes import NOTHING_WRITTEN_YET, DeliveryResult, RemoteFile, Step, classify, describe
+from activities.partner_connection import connect, within
+from activities.partner_files import acknowledged_sha256, content_sha256, identify, list_file, require_final_dir
+
+logger = logging.getLogger(__name__)
+
+# Bounds for the work done after a failure: a fresh listing, then removing the temporary file.
+AFTER_FAILURE_TIMEOUT_SECONDS = 10.0
+
+# What a delivery catches and classifies. Exception, not a list of transport errors: an unexpected error
+# in the middle of an upload leaves the partner side just as uncertain, and the caller still needs an outcome.
+_CAUGHT = (Exception, asyncio.CancelledError)
+
+
+class UploadIncomplete(Exception):
+    """The temporary file does not hold exactly the bytes of the local file, so it must not be renamed."""
+
+
+async def deliver(
+    dest: DestinationConfig,
+    local_path: str,
+    final_name: str,
+    temp_name: str,
+    *,
+    record_evidence: Callable[[dict[str, Any]], Awaitable[None]],
+    on_progress: Callable[[int, int], None] | None = None,
+    throttle_bytes_per_second: int = 0,
+    chunk_size: int = 64 * 1024,
+    operation_timeout: float = 60.0,
+    after_failure_timeout: float = AFTER_FAILURE_TIMEOUT_SECONDS,
+    expected_sha256: str | None = None,
+    replacement: Replacement | None = None,
+) -> DeliveryResult:
+    """Upload `local_path` to `temp_dir/temp_name`, then rename it to `final_dir/final_name` (no overwrite).
+
+    Always returns a DeliveryResult, never raises for what happens at the partner, and never re-raises
+    asyncio.CancelledError: a cancelled delivery is classified like any other failure, because the caller must
+    still record the outcome. The task's cancellation request stays counted (Task.cancelling()), so the caller
+    can tell.
+
+    Each SFTP request is bounded by `operation_timeout`; the fresh listing and the cleanup after a failure by
+    `after_failure_timeout` each. Raises ValueError only for names that are not plain file names.
+    """
+    for name in (final_name, temp_name):
+        if not name or "/" in name or name in (".", ".."):
+            raise ValueError(f"not a plain file name: {name!r}")
+    final_path = posixpath.join(dest.final_dir, final_name)
+    temp_path = posixpath.join(dest.temp_dir, temp_name)
+    step: Step = "connect"
+    receipt: RemoteFile | None = None
+    occupied: DeliveryResult | None = None
+    content: str | None = None
+    content_error: str | None = None
+    acknowledged: str | None = None
+    overwrite = False
+    total = 0
+    try:
+        total = os.path.getsize(local_path)
+        async with connect(dest) as sftp:
+            step = "baseline"
+            occupied, overwrite = await _baseline(sftp, dest, final_path, final_name, replacement, record_evidence,
+                                                  operation_timeout)
+            if occupied is not None:
+                return occupied
+            step = "upload"
+            await _upload(
+                sftp, local_path, temp_path, total, chunk_size=chunk_size,
+                throttle_bytes_per_second=throttle_bytes_per_second, on_progress=on_progress,
+                operation_timeout=operation_timeout,
+            )
+            await _record(record_evidence, {"step": "rename", "temp": temp_path, "final": final_path,
+                                            "bytes": total})
+            step = "rename"
+            await _rename(sftp, temp_path, final_path, overwrite, operation_timeout)
+            step = "confirm"
+            async with within(operation_timeout):
+                receipt = await list_file(sftp, final_path)
+            if receipt.exists and receipt.size == total:
+                content, content_error, acknowledged = await _evidence_by_content(
+                    sftp, dest, final_path, final_name, overwrite, operation_timeout)
+    except _CAUGHT as exc:
+        if occupied is not None:
+            return occupied  # The decision was made before the failure (recording it or closing).
+        if receipt is None:
+            return await _after_failure(exc, step, dest, final_path, temp_path, record_evidence,
+                                        after_failure_timeout)
+        # Only closing the connection failed; the receipt was already taken and stands.
+        logger.warning("closing the connection after delivering %s failed: %s", final_path, describe(exc))
+
+    await _record_quietly(record_evidence, {"step": "receipt", "final": receipt.model_dump(),
+                                            "expected_bytes": total, "sha256": content,
+                                            "sha256_error": content_error, "acknowledged_sha256": acknowledged,
+                                            "expected_sha256": expected_sha256, "overwrite": overwrite})
+    outcome, summary, confirmed_by = outcomes.after_rename(
+        outcomes.receipt_look(receipt, content, content_error, acknowledged), final_name=final_name,
+        expected_bytes=total, expected_sha256=expected_sha256, overwrite=overwrite,
+        content_promised=dest.contract.hash_evidence != "none")
+    log = logger.info if outcome == "Completed" else logger.warning
+    log("delivery of %s to %s: %s", final_path, dest.host, summary)
+    return DeliveryResult(outcome=outcome, summary=summary, confirmed_by=confirmed_by,
+                          receipt=receipt if outcome == "Completed" else None)
+
+
+async def _baseline(
+    sftp: asyncssh.SFTPClient, dest: DestinationConfig, final_path: str, final_name: str,
+    replacement: Replacement | None, record_evidence: Callable[[dict[str, Any]], Awaitable[None]],
+    operation_timeout: float,
+) -> tuple[DeliveryResult | None, bool]:
+    """List the final name before anything is written, and record it. Returns the result that ends the delivery
+    here (an occupied name, never touched), or None and whether the rename may overwrite (an agreed one)."""
+    async with within(operation_timeout):
+        await require_final_dir(sftp, dest)
+        baseline = await list_file(sftp, final_path)
+    await _record(record_evidence, {"step": "baseline", "final": baseline.model_dump()})
+    if not baseline.exists:
+        return None, False
+    identified = None
+    if replacement is not None:
+        identified = await identify(sftp, dest, final_path, final_name, baseline, replacement, operation_timeout)
+    decision, why, occupied = outcomes.occupied_final_name(
+        final_name, baseline, identified, overwrite_agreed=replacement is not None and replacement.overwrite_agreed)
+    await _record(record_evidence, {"step": "decision", "decision": decision, "why": why,
+                                    "final": baseline.model_dump()})
+    if occupied is not None:
+        logger.warning("final name %s on %s is occupied (%s); nothing uploaded", final_path, dest.host, decision)
+    return occupied, occupied is None
+
+
+async def _rename(sftp: asyncssh.SFTPClient, temp_path: str, final_path: str, overwrite: bool,
+                  operation_timeout: float) -> None:
+    """The one irreversible step: the temporary file takes the final name."""
+    async with within(operation_timeout):
+        if overwrite:
+            # Only a replacement with the partner's recorded agreement may replace the final file.
+            await sftp.posix_rename(temp_path, final_path)
+        else:
+            # SFTP v3 rename fails if the final name exists, so a file that appeared after the
+            # listing is never replaced.
+            await sftp.rename(temp_path, final_path)
+
+
+async def _evidence_by_content(sftp: asyncssh.SFTPClient, dest: DestinationConfig, final_path: str,
+                               final_name: str, overwrite: bool,
+                               operation_timeout: float) -> tuple[str | None, str | None, str | None]:
+    """The received file's SHA-256 as the contract offers it, why it could not be had, and (after an overwrite
+    without one) the partner's acknowledgment. The receipt stands either way."""
+    content = error = acknowledged = None
+    try:
+        content = await content_sha256(sftp, dest, final_path, operation_timeout)
+        if content is None and overwrite:
+            acknowledged = await acknowledged_sha256(sftp, dest, final_name, operation_timeout)
+    except _CAUGHT as exc:
+        # Only the evidence by content is missing, and the outcome says so.
+        error = describe(exc)
+        logger.warning("could not hash %s on %s: %s", final_path, dest.host, error)
+    return content, error, acknowledged
+
+
+async def _after_failure(
+    exc: BaseException,
+    step: Step,
+    dest: DestinationConfig,
+    final_path: str,
+    temp_path: str,
+    record_evidence: Callable[[dict[str, Any]], Awaitable[None]],
+    timeout: float,
+) -> DeliveryResult:
+    logger.warning("delivery of %s to %s failed at step %s: %s", final_path, dest.host, step, describe(exc))
+    if step in NOTHING_WRITTEN_YET:
+        result = classify(exc, step, None)
+        await _record_quietly(record_evidence, {
+            "step": "failure", "failed_step": step, "error": describe(exc),
+            "outcome": result.outcome, "failure_reason": result.failure_reason,
+        })
+        return result
+    settled = outcomes.temp_file_removable(exc, step)
+    listing, listing_error = await _fresh_listing_and_cleanup(dest, final_path, temp_path, timeout,
+                                                              remove_temp=settled)
+    result = classify(exc, step, listing)
+    await _record_quietly(record_evidence, {
+        "step": "fresh_listing", "failed_step": step, "error": describe(exc),
+        "final": listing.model_dump() if listing is not None else None, "listing_error": listing_error,
+        "outcome": result.outcome, "failure_reason": result.failure_reason, "temp_left": not settled,
+    })
+    return result
+
+
+async def _fresh_listing_and_cleanup(
+    dest: DestinationConfig, final_path: str, temp_path: str, timeout: float, *, remove_temp: bool
+) -> tuple[RemoteFile | None, str | None]:
+    """List the final name on a new connection, then, if `remove_temp`, remove the temporary file over the same
+    connection.
+
+    The listing and the removal are bounded by `timeout` each. Returns the listing (None if it could not be
+    taken) and why it could not. Errors and cancellation are absorbed: see `deliver`.
+    """
+    listing: RemoteFile | None = None
+    try:
+        async with asyncio.timeout(timeout) as deadline:
+            async with connect(dest, connect_timeout=timeout) as sftp:
+                listing = await list_file(sftp, final_path)
+                if remove_temp:
+                    deadline.reschedule(asyncio.get_running_loop().time() + timeout)
+                    try:
+                        await sftp.remove(temp_path)
+                    except asyncssh.SFTPNoSuchFile:
+                        pass  # Never created, or already renamed into place.
+    except _CAUGHT as exc:
+        if listing is None:
+            logger.warning("fresh listing of %s on %s failed: %s", final_path, dest.host, describe(exc))
+            return None, describe(exc)
+        logger.warning("could not remove temporary file %s on %s: %s", temp_path, dest.host, describe(exc))
+    return listing, None
+
+
+async def _record(
+    record_evidence: Callable[[dict[str, Any]], Awaitable[None]], record: dict[str, Any]
+) -> None:
+    """Append evidence; a failed write is logged, never allowed to change what happens at the partner.
+
+    CancelledError propagates: before the rename it must stop the delivery like any other cancellation.
+    """
+    try:
+        await record_evidence(record)
+    except Exception as exc:
+        logger.warning("could not record delivery evidence (step %s): %s", record.get("step"), describe(exc))
+
+
+async def _record_quietly(
+    record_evidence: Callable[[dict[str, Any]], Awaitable[None]], record: dict[str, Any]
+) -> None:
+    """Append evidence once the outcome is decided: not even a cancellation may lose the outcome."""
+    try:
+        await _record(record_evidence, record)
+    except asyncio.CancelledError:
+        logger.warning("cancelled while recording delivery evidence (step %s); returning the outcome anyway",
+                       record.get("step"))
+
+
+# How many writes of one upload are in flight at once: 16 of 64 KiB keep a loopback or LAN link full.
+PIPELINED_WRITES = 16
+
+
+async def _upload(
+    sftp: asyncssh.SFTPClient,
+    local_path: str,
+    temp_path: str,
+    total: int,
+    *,
+    chunk_size: int,
+    throttle_bytes_per_second: int,
+    on_progress: Callable[[int, int], None] | None,
+    operation_timeout: float,
+) -> None:
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    sent = 0
+    # Each piece goes out as parallel SFTP writes of `chunk_size` (asyncssh pipelines a large write), so the link
+    # and the cipher stay busy instead of waiting out a round trip per chunk. A throttled upload sends pieces of
+    # about a quarter second, so that its rate stays smooth.
+    piece = chunk_size * PIPELINED_WRITES
+    if throttle_bytes_per_second > 0:
+        piece = max(chunk_size, min(piece, throttle_bytes_per_second // 4 // chunk_size * chunk_size))
+    async with within(operation_timeout):
+        # "wb" truncates: a temporary file left by an earlier attempt under the same name is simply replaced.
+        remote = await sftp.open(temp_path, "wb", block_size=chunk_size, max_requests=PIPELINED_WRITES)
+    # On failure the handle is not closed here: closing the connection releases it.
+    # Local reads are blocking but short (a page-cache read of one piece); a thread would cost more.
+    with open(local_path, "rb") as local:
+        while chunk := local.read(piece):
+            async with within(operation_timeout):
+                await remote.write(chunk, sent)
+            sent += len(chunk)
+            if on_progress is not None:
+                on_progress(sent, total)
+            if throttle_bytes_per_second > 0:
+                # Sleep off any lead over the allowed average rate since the start of the upload.
+                ahead = sent / throttle_bytes_per_second - (loop.time() - started)
+                if ahead > 0:
+                    await asyncio.sleep(ahead)
+    async with within(operation_timeout):
+        await remote.close()
+        attrs = await sftp.stat(temp_path)
+    # The rename publishes whatever the temporary file holds, so it must be exactly the measured file.
+    if sent != total or attrs.size != total:
+        raise UploadIncomplete(f"expected {total} bytes, sent {sent}, temporary file holds {attrs.size}")
+
+
+# Our temporary names: ".<final name>.<attempt ID>.part" (see the deliver activity).
+TEMP_NAME = re.compile(r"^\.(?P<final>.+)\.(?P<attempt>[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\.part$")
+
+
+def temp_file_name(final_name: str, attempt_id: UUID) -> str:
+    return f".{final_name}.{attempt_id}.part"
+
+
+async def sweep_temp_files(dest: DestinationConfig, *, is_ours: Callable[[str], Awaitable[bool]],
+                           is_live: Callable[[UUID], Awaitable[bool]], timeout: float = 30.0) -> dict[str, list[str]]:
+    """Remove our temporary files in the destination's temp_dir that are older than the partner's contract allows
+    (recovery cannot tell a dead worker from a paused one, so only age can) and whose attempt is not live
+    (`is_live`: still Delivering). Ours means named after a final name of this destination's exports (`is_ours`):
+    another tenant's files in a shared directory, and files of other names, are never touched.
+    Returns the names removed, kept (too young or live), and the removals that failed, with why."""
+    found: dict[str, list[str]] = {"removed": [], "kept": [], "failed": []}
+    async with asyncio.timeout(timeout):
+        async with connect(dest, connect_timeout=timeout) as sftp:
+            names = await sftp.readdir(dest.temp_dir)
+            cutoff = time.time() - dest.contract.temp_file_max_age_seconds
+            for entry in names:
+                match = TEMP_NAME.match(entry.filename)
+                if match is None or not await is_ours(match["final"]):
+                    continue
+                mtime = entry.attrs.mtime
+                if mtime is None or mtime > cutoff or await is_live(UUID(match["attempt"])):
+                    found["kept"].append(entry.filename)
+                    continue
+                try:
+                    await sftp.remove(posixpath.join(dest.temp_dir, entry.filename))
+                    found["removed"].append(entry.filename)
+                except (asyncssh.Error, OSError) as exc:
+                    found["failed"].append(f"{entry.filename}: {describe(exc)}")
+    return found

@@ -1,0 +1,38 @@
+"""Where the recorded histories live, and how one is written and read back.
+
+Each file is the SDK's own JSON for a history (`WorkflowHistory.to_json_dict()`, the shape the Temporal CLI and UI
+export too), indented so that two recordings of one case diff event by event. The workflow ID, which a replay
+needs (the export workflow checks that its ID names its job), is read from the start event.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from temporalio.client import WorkflowHistory
+
+HISTORIES = Path(__file__).parent / "histories"
+
+
+def save(case: str, history: WorkflowHistory) -> Path:
+    """Write one case's history, replacing an earlier recording of the same case."""
+    HISTORIES.mkdir(exist_ok=True)
+    path = HISTORIES / f"{case}.json"
+    path.write_text(json.dumps(history.to_json_dict(), indent=1) + "\n")
+    return path
+
+
+def recorded() -> list[Path]:
+    """Every recorded history, also those kept in subfolders from before a workflow change."""
+    return sorted(HISTORIES.rglob("*.json"))
+
+
+def load(path: Path) -> WorkflowHistory:
+    data = json.loads(path.read_text())
+    started = data["events"][0]["workflowExecutionStartedEventAttributes"]
+    return WorkflowHistory.from_json(started["workflowId"], data)
+
+
+def workflow_type(history: WorkflowHistory) -> str:
+    return history.events[0].workflow_execution_started_event_attributes.workflow_type.name
