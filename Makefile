@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench histories lock clean
+.PHONY: run test lint bench histories lock clean
 
 # Every install is constrained by the lock file: the versions tested are the versions run (the image uses it too).
 $(STAMP): pyproject.toml requirements/lock.txt
@@ -17,6 +17,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# The rules are pyproject.toml's [tool.ruff]; .ci/run runs this before the tests.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 bench: $(STAMP)
 	$(VENV)/bin/python -m bench.run $(BENCH_ARGS)

@@ -27,12 +27,12 @@ from temporalio.worker import Worker
 
 from activities import endpoint, metrics, tracing
 from activities.checkpoints import checkpoints_for
+from activities.dispatcher import OutboxDispatcher
 from activities.exports import ExportActivities
 from activities.interceptors import ClassifyStoreErrors
 from activities.recovery import RecoveryActivities
 from activities.scavenger import keep_scavenging, scavenge
-from starter.dispatcher import OutboxDispatcher
-from starter.temporal import CONNECT_TIMEOUT_SECONDS, NotConfigured, Unreachable, connect_temporal
+from starter.temporal import CONNECT_TIMEOUT_SECONDS, NotConfigured, Unreachable, connect_temporal, exit_now
 from store import errors
 from store.db import asyncpg_dsn, make_engine
 from store.jobs import JobStore
@@ -103,7 +103,8 @@ async def running_worker(
     try:
         async with shared, own:
             if with_dispatcher:
-                dispatcher_engine = make_engine(settings.dispatcher_database_url, pool_size=settings.dispatcher_pool_size,
+                dispatcher_engine = make_engine(settings.dispatcher_database_url,
+                                                pool_size=settings.dispatcher_pool_size,
                                                 max_overflow=settings.dispatcher_max_overflow)
                 dispatcher = OutboxDispatcher(
                     client,
@@ -199,8 +200,7 @@ async def main() -> None:
 
 def _exit_past_the_bound() -> None:
     log.warning("shutdown bound passed: exiting; an upload that has not ended is left to recovery")
-    logging.shutdown()
-    os._exit(0)
+    exit_now(0)
 
 
 class OneLineFailures(logging.Filter):
@@ -233,4 +233,8 @@ if __name__ == "__main__":
         asyncio.run(main())
     except NotConfigured as exc:
         log.error("%s", exc)
-        raise SystemExit(2) from None
+        exit_now(2)
+    except Exception:  # a Temporal worker's fatal error, said once more with its traceback
+        log.exception("the worker stopped on an error")
+        exit_now(1)
+    exit_now(0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from uuid import UUID
 
@@ -157,7 +157,7 @@ class BuildActivities(ExportActivitiesBase):
 
     def _started_late(self) -> float | None:
         """Seconds since the task was scheduled, if past its schedule-to-start bound (one lease) and a margin."""
-        elapsed = (datetime.now(timezone.utc) - activity.info().current_attempt_scheduled_time).total_seconds()
+        elapsed = (datetime.now(UTC) - activity.info().current_attempt_scheduled_time).total_seconds()
         return elapsed if elapsed > self.settings.lease_seconds + _CLOCK_MARGIN_SECONDS else None
 
     def _take_finished_build(self, job_id: UUID, attempt_id: UUID, path: Path) -> bool:

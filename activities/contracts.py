@@ -5,10 +5,9 @@ Pure pydantic, because workflow code imports this module.
 
 from __future__ import annotations
 
-from uuid import UUID
-
 import unicodedata
 from typing import Annotated
+from uuid import UUID
 
 from pydantic import AfterValidator, AliasChoices, BaseModel, Field
 

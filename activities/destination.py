@@ -13,6 +13,7 @@ from typing import Any, Literal, get_args
 import asyncssh
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+
 class PartnerContract(BaseModel):
     """What was agreed with the partner, stored with the destination."""
 

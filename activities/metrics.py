@@ -12,6 +12,7 @@ Labels stay bounded: a status, a kind, a failure class, a destination ID; never 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -20,6 +21,8 @@ from uuid import UUID
 
 import asyncpg
 from prometheus_client import Counter, Gauge, Histogram
+
+from store.models import Status
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,9 @@ OUTBOX_BACKLOG = Gauge("exports_outbox_backlog", "Outbox rows not yet published"
 OUTBOX_OLDEST = Gauge("exports_outbox_oldest_unpublished_age_seconds",
                       "Age of the oldest unpublished outbox row (0 when none)")
 OUTCOME_UNKNOWN = Gauge("exports_outcome_unknown", "Exports whose row says OutcomeUnknown")
+# Every state, whoever wrote it: a queued export's Canceled is written by `exports cancel` (no worker's counter sees
+# it), and a state written while no worker ran is here too.
+JOBS = Gauge("exports_jobs", "Exports whose row is in each state, as last read", ["status"])
 STORE_READ_FAILURES = Counter("exports_metrics_store_read_failures", "Failed reads of the gauges above")
 STORE_READ_AT = Gauge("exports_metrics_store_read_timestamp_seconds", "When the gauges above were last read")
 
@@ -87,7 +93,7 @@ async def timed_build(build: Awaitable[tuple[int, str]]) -> tuple[int, str]:
 
 
 async def timed_delivery(destination_id: UUID, size: int, delivery: Awaitable[T]) -> T:
-    """Times a delivery and counts how it ended; `delivery` returns a partner.DeliveryResult."""
+    """Times a delivery and counts how it ended; `delivery` returns an outcomes.DeliveryResult."""
     started = time.monotonic()
     result = await delivery
     outcome = str(getattr(result, "outcome", "Unknown"))
@@ -125,13 +131,14 @@ def stop_written(job_id: UUID, attempt_id: UUID) -> None:
         STOP_LATENCY.observe(time.monotonic() - heard_at)
 
 
-# One statement, three index-backed or small reads: the unpublished outbox rows have their own partial index
-# (ix_outbox_unpublished); export_jobs has no index on status, so the count is a scan, hence the long interval.
+# One statement: the unpublished outbox rows have their own partial index (ix_outbox_unpublished); export_jobs has
+# no index on status, so its count by state is one scan, hence the long interval.
 STORE_GAUGES_SQL = """
 SELECT (SELECT count(*) FROM outbox WHERE published_at IS NULL) AS backlog,
        (SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)
           FROM outbox WHERE published_at IS NULL) AS oldest,
-       (SELECT count(*) FROM export_jobs WHERE status = 'OutcomeUnknown') AS unknown
+       (SELECT coalesce(jsonb_object_agg(status, n), '{}'::jsonb)::text
+          FROM (SELECT status, count(*) AS n FROM export_jobs GROUP BY status) AS by_status) AS jobs
 """
 _READ_TIMEOUT_SECONDS = 5.0
 
@@ -147,7 +154,10 @@ async def read_store_gauges(dsn: str) -> None:
         await asyncio.wait_for(conn.close(), _READ_TIMEOUT_SECONDS)
     OUTBOX_BACKLOG.set(row["backlog"])
     OUTBOX_OLDEST.set(float(row["oldest"]))
-    OUTCOME_UNKNOWN.set(row["unknown"])
+    jobs = json.loads(row["jobs"])
+    for status in Status:
+        JOBS.labels(status=status.value).set(jobs.get(status.value, 0))
+    OUTCOME_UNKNOWN.set(jobs.get(Status.OUTCOME_UNKNOWN.value, 0))
     STORE_READ_AT.set(time.time())
 
 

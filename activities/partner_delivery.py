@@ -313,7 +313,8 @@ async def _upload(
 
 
 # Our temporary names: ".<final name>.<attempt ID>.part" (see the deliver activity).
-TEMP_NAME = re.compile(r"^\.(?P<final>.+)\.(?P<attempt>[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\.part$")
+_UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+TEMP_NAME = re.compile(rf"^\.(?P<final>.+)\.(?P<attempt>{_UUID})\.part$")
 
 
 def temp_file_name(final_name: str, attempt_id: UUID) -> str:

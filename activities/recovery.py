@@ -27,8 +27,8 @@ from activities.partner_delivery import sweep_temp_files
 from activities.partner_files import look_at_final
 from store.jobs import JobStore
 from store.models import JobRow, Status
-from store.recovery import Candidate as StoreCandidate
 from store.recovery import RESOLVED, Recovery
+from store.recovery import Candidate as StoreCandidate
 from workflows.identity import export_workflow_id
 
 log = logging.getLogger(__name__)

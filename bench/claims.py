@@ -61,7 +61,8 @@ def _pgbench_script(pool_first: int, pool_size: int) -> str:
 
 async def _pgbench(postgres: LocalPostgres, database: str, script: Path, transactions: int) -> float:
     process = await asyncio.create_subprocess_exec(
-        str(postgres.program("pgbench")), "-n", "-c", str(CLIENTS), "-j", "2", "-t", str(transactions // CLIENTS), "-f", str(script),
+        str(postgres.program("pgbench")), "-n", "-c", str(CLIENTS), "-j", "2", "-t", str(transactions // CLIENTS),
+        "-f", str(script),
         "-h", postgres.socket_dir, "-U", ROLES["app"], database,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(process.communicate(), timeout=600)

@@ -52,9 +52,9 @@ def render(rows: list[Row]) -> str:
         lines.append((r.id, r.measure, _value(r.project, r.unit), f"{_value(r.baseline, r.unit)} ({r.baseline_name})",
                       "-" if r.ratio is None else f"{r.ratio:.2f}", r.goal or "-",
                       "-" if r.met is None else ("yes" if r.met else "NO")))
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *lines)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
-    out += ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)) for line in lines]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *lines, strict=True)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)) for line in lines]
     for r in rows:
         out += [f"{r.id}: {note}" for note in r.notes]
     return "\n".join(out)

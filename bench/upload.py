@@ -18,7 +18,7 @@ from pathlib import Path
 
 from activities.partner_delivery import deliver
 from bench.table import Row, middle
-from tests.openssh_partner import SSHD, OpenSshPartner
+from tests.helpers.openssh_partner import SSHD, OpenSshPartner
 
 MB = 1_000_000
 

@@ -9,7 +9,7 @@ import os
 import sys
 import traceback
 from collections.abc import Awaitable, Callable
-from typing import Any, NoReturn, Optional, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import typer
 from pydantic import ValidationError
@@ -35,8 +35,14 @@ from starter.client import (
     parse_id,
 )
 from starter.destinations import destinations_app
-from starter import temporal as temporal_connections
-from starter.temporal import CONNECT_TIMEOUT_SECONDS, Unreachable, address_setting, connect_temporal, short_reason
+from starter.temporal import (
+    CONNECT_TIMEOUT_SECONDS,
+    Unreachable,
+    address_setting,
+    connect_temporal,
+    exit_now,
+    short_reason,
+)
 from store import errors
 from store.errors import StoreError
 from store.models import CancellationOutcome, CancellationResult
@@ -212,11 +218,12 @@ def _run(body: Callable[[ExportsClient], Awaitable[T]], *, temporal: bool = Fals
 def migrate(
     sql: bool = typer.Option(False, "--sql", help="print the migration SQL for review (psql can apply it); "
                                                   "connects to nothing"),
-    from_revision: Optional[str] = typer.Option(None, "--from", help="with --sql: the revision the database "
+    from_revision: str | None = typer.Option(None, "--from", help="with --sql: the revision the database "
                                                                       "is at (its alembic_version); default: empty"),
 ) -> None:
     """Apply the database migrations as the owner role (EXPORTS_OWNER_DATABASE_URL)."""
-    from store.db import migrate as run_migrations, migration_sql
+    from store.db import migrate as run_migrations
+    from store.db import migration_sql
 
     if from_revision is not None and not sql:
         fail("error: --from goes with --sql (a migration against the database reads its own revision)")
@@ -242,8 +249,8 @@ def create(
     tenant: str = typer.Option(..., help="tenant ID"),
     destination: str = typer.Option(..., help="destination ID, of this tenant"),
     created_by: str = typer.Option(..., "--created-by", help="the operator or client creating the export"),
-    delivery_key: Optional[str] = typer.Option(None, help="partner-facing identity; minted when omitted"),
-    job_id: Optional[str] = typer.Option(None, help="client-chosen export ID; minted when omitted"),
+    delivery_key: str | None = typer.Option(None, help="partner-facing identity; minted when omitted"),
+    job_id: str | None = typer.Option(None, help="client-chosen export ID; minted when omitted"),
 ) -> None:
     """Create an export. Its workflow starts when the dispatcher publishes the wake-up."""
     created = _run(lambda c: c.create(tenant_id=tenant, destination_id=destination, created_by=created_by,
@@ -256,8 +263,8 @@ def cancel(
     job_id: str = typer.Argument(..., help="export ID"),
     tenant: str = typer.Option(..., help="tenant ID"),
     operator: str = typer.Option(..., help="who asks"),
-    reason: Optional[str] = typer.Option(None, help="why"),
-    request_id: Optional[str] = typer.Option(None, help="reuse it to retry the same click after Busy"),
+    reason: str | None = typer.Option(None, help="why"),
+    request_id: str | None = typer.Option(None, help="reuse it to retry the same click after Busy"),
 ) -> None:
     """Cancel an export: recorded under the row lock, then signalled to its workflow. The row is written first,
     whether or not Temporal answers: the signal only makes the stop faster, and the line says if it went out."""
@@ -294,7 +301,7 @@ def replace(
     tenant: str = typer.Option(..., help="tenant ID"),
     created_by: str = typer.Option(..., "--created-by", help="the named person creating the replacement"),
     reason: str = typer.Option(..., help="why, in the creator's words"),
-    overwrite_agreement: Optional[str] = typer.Option(
+    overwrite_agreement: str | None = typer.Option(
         None, help="reference to the partner's recorded agreement to an overwrite; without it, none happens"),
 ) -> None:
     """Create a replacement for an original that did not deliver, or whose outcome is unknown."""
@@ -343,7 +350,7 @@ def correct_command(
     attempt: str = typer.Option(..., help="the attempt whose outcome is corrected"),
     recorded: str = typer.Option(..., "--from", help="the recorded status you saw: Completed or Failed"),
     corrected: str = typer.Option(..., "--to", help="Completed or Failed"),
-    failure_reason: Optional[str] = typer.Option(None, help="with --to Failed: the failure code"),
+    failure_reason: str | None = typer.Option(None, help="with --to Failed: the failure code"),
     by: str = typer.Option(..., help="the reconciliation operator"),
     evidence: str = typer.Option(..., help="reference to the evidence"),
     why: str = typer.Option(..., help="why the recorded outcome was wrong"),
@@ -360,7 +367,7 @@ def correct_command(
 @app.command()
 def show(
     job_id: str = typer.Argument(..., help="export ID, or a prefix of it that only one export has"),
-    tenant: Optional[str] = typer.Option(None, help="tenant ID; another tenant's export is not found"),
+    tenant: str | None = typer.Option(None, help="tenant ID; another tenant's export is not found"),
     as_json: bool = typer.Option(False, "--json", help="print the row and its history as JSON"),
 ) -> None:
     """Show an export's row, its attempt events and its cancellation requests."""
@@ -413,8 +420,8 @@ def schedules_install() -> None:
 
 @app.command("list")
 def list_exports(
-    status: Optional[str] = typer.Option(None, help="only exports in this state, as Temporal's search shows it"),
-    tenant: Optional[str] = typer.Option(None, help="only this tenant's exports"),
+    status: str | None = typer.Option(None, help="only exports in this state, as Temporal's search shows it"),
+    tenant: str | None = typer.Option(None, help="only this tenant's exports"),
     limit: int = typer.Option(50, min=1, max=1000),
 ) -> None:
     """Exports as the Temporal UI lists them (search attributes), with the row's state beside each."""
@@ -449,11 +456,9 @@ def dev() -> None:
 
 
 def main() -> None:
-    """The `exports` script: the command's exit status, and an immediate exit after an abandoned connection
-    attempt to Temporal (see starter.temporal.abandoned_connection); the answer is printed by then."""
-    code = app(standalone_mode=False)
-    if temporal_connections.abandoned_connection:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    """The `exports` script: the command's exit status, every time."""
+    try:
+        code = app(standalone_mode=False)
+    except SystemExit as exc:  # `exports dev` ends with its own status
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    exit_now(code)

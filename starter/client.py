@@ -20,7 +20,6 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.contracts import CancelRequest, CreateExport, ExportInput, ExportResult, Name, Text
 from starter.temporal import CONNECT_TIMEOUT_SECONDS, Unreachable
-from workflows.identity import DELIVERY_KEY, EXPORT_ATTEMPTS, EXPORT_STATUS, EXPORT_TENANT, export_workflow_id
 from store import errors
 from store.db import make_engine
 from store.jobs import JobStore
@@ -28,6 +27,7 @@ from store.models import CancellationResult, FailureCode, JobRow, Status
 from store.reconciliation import Reconciliation
 from store.settings import Settings
 from store.statements import RoleStore
+from workflows.identity import DELIVERY_KEY, EXPORT_ATTEMPTS, EXPORT_STATUS, EXPORT_TENANT, export_workflow_id
 
 # What PostgreSQL's integer columns store (export_jobs.version).
 INT4_MAX = 2**31 - 1

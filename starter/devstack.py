@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from activities.contracts import ExportResult
 from starter.client import ExportsClient
 from starter.localstack import processes
 from starter.localstack.partner import LocalPartner
@@ -31,13 +32,12 @@ from starter.localstack.ports import free_port
 from starter.localstack.postgres import LocalPostgres
 from starter.localstack.seed import seed_contacts, seed_destination
 from starter.localstack.temporal import LocalTemporal
-from workflows.identity import export_workflow_id
 from starter.schedules import install_schedules
 from starter.temporal import connect_temporal
 from store.db import asyncpg_dsn, migrate
-from activities.contracts import ExportResult
 from store.models import CancellationOutcome, JobRow, Status
 from store.settings import LOCAL_ENV_FILE, Settings, as_env
+from workflows.identity import export_workflow_id
 
 log = logging.getLogger(__name__)
 console = Console()
@@ -211,7 +211,8 @@ async def _run_demo(
             ), timeout=TIMEOUT)
             for export in exports:
                 await _wait_for(client, export.job_id, lambda r: r.status.is_settled)
-                handle = client.temporal.get_workflow_handle(export_workflow_id(export.job_id), result_type=ExportResult)
+                handle = client.temporal.get_workflow_handle(export_workflow_id(export.job_id),
+                                                             result_type=ExportResult)
                 export.result = await asyncio.wait_for(handle.result(), timeout=TIMEOUT)
         finally:
             refresher.cancel()

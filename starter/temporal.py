@@ -11,12 +11,14 @@ An API key, TLS and gRPC metadata come from the environment configuration only.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -32,11 +34,6 @@ DEFAULT_ADDRESS = "127.0.0.1:7233"
 DEFAULT_NAMESPACE = "default"
 # When neither this project's nor the SDK's settings name an address: what the messages point the operator at.
 UNSET_ADDRESS = "EXPORTS_TEMPORAL_ADDRESS or TEMPORAL_ADDRESS, neither set"
-
-# Set when a connection attempt was given up at the timeout. The SDK's attempt goes on in its own runtime (it waits
-# up to 30 s for a silent server), and dropping that runtime at interpreter exit can block the exit for minutes:
-# the command line then ends its process at once (`starter.cli.main`), with nothing else in flight.
-abandoned_connection = False
 
 _TLS_PATHS = ("TEMPORAL_TLS_CLIENT_CERT_PATH", "TEMPORAL_TLS_CLIENT_KEY_PATH", "TEMPORAL_TLS_SERVER_CA_CERT_PATH")
 _TLS_SWITCH = {"1": True, "true": True, "0": False, "false": False}
@@ -187,11 +184,9 @@ async def connect_temporal(settings: Settings, *, timeout: float | None = None,
         except ValueError as exc:  # a malformed address, found when the SDK parses it
             raise NotConfigured("Temporal", target.address_setting, target.address, short_reason(exc)) from None
 
-    global abandoned_connection
     try:
         return await asyncio.wait_for(connecting, timeout)
     except TimeoutError:
-        abandoned_connection = True
         raise Unreachable("Temporal", target.setting, target.address, f"no answer within {timeout:g} s") from None
     except ValueError as exc:  # a malformed address, found when the SDK parses it
         raise NotConfigured("Temporal", target.address_setting, target.address, short_reason(exc)) from None
@@ -214,3 +209,16 @@ def short_reason(exc: BaseException) -> str:
     messages = re.findall(r'message: "([^"]*)"', text)
     return messages[-1].lower() if messages else text.splitlines()[0]
 
+
+def exit_now(code: int) -> NoReturn:
+    """End the process with `code`, skipping the interpreter's teardown: the Temporal SDK's runtime threads can
+    call into Python while it finalizes, which aborts the process (SIGABRT, status 134) now and then
+    (temporalio/sdk-python#300), and dropping a runtime whose connection attempt is still pending can hold up the
+    exit for minutes. What the process wrote is flushed first."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`exports list | head`): nothing more to say there
+            pass
+    os._exit(code)

@@ -6,10 +6,7 @@ by a named reconciliation operator, and only under the reconciliation role.
 
 from __future__ import annotations
 
-from typing import Any
 from uuid import UUID
-
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store.models import FailureCode, Status
 from store.statements import RoleStore

@@ -3,10 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
 from uuid import UUID
-
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store import errors
 from store.statements import Database, fetch_one

@@ -1,15 +1,16 @@
 """Fixtures for the real components: PostgreSQL (embedded, or EXPORTS_TEST_DATABASE_URL), the Temporal dev
-server (or EXPORTS_TEST_TEMPORAL_ADDRESS), and an SFTP partner. Each test gets a fresh database copied from a migrated template.
+server (or EXPORTS_TEST_TEMPORAL_ADDRESS), and an SFTP partner. Each test gets a fresh database copied from a
+migrated template.
 
 EXPORTS_TEST_DATABASE_URL (a superuser's postgresql+asyncpg:// URL of an existing server) runs the suite there
 instead of the embedded server: the session creates its own template database and drops it at the end, each test
 its own copy, and the roles exports_app, exports_dispatcher and exports_reconciler when missing (with the URL's
 password, if it has one). The roles connect as the URL says, with its password: roles that already exist must
-accept it, or be trusted by pg_hba.conf. The tests that cut connections with tests/faults.py reach the server
+accept it, or be trusted by pg_hba.conf. The tests that cut connections with tests/helpers/faults.py reach the server
 through its Unix socket when the URL's host is the socket's directory (`?host=/run/postgresql`), else through its
 TCP port.
 
-EXPORTS_TEST_BACKEND=testcontainers (tests/containers.py) puts PostgreSQL and the Temporal dev server in Docker
+EXPORTS_TEST_BACKEND=testcontainers (tests/helpers/containers.py) puts PostgreSQL and the Temporal dev server in Docker
 containers instead of the embedded servers; the EXPORTS_TEST_* URLs above still win for what they name."""
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from starter.localstack.partner import LocalPartner
-from tests import containers
 from starter.localstack.postgres import ROLES, LocalPostgres, role_urls
 from starter.localstack.temporal import temporal_binary
 from store.db import asyncpg_dsn, make_engine, migrate
 from store.jobs import JobStore
 from store.settings import Settings
+from tests.helpers import containers
 from workflows.identity import SEARCH_ATTRIBUTES
 
 TEMPLATE = "exports_template"
@@ -54,7 +55,7 @@ class ExternalPostgres:
             raise pytest.UsageError("EXPORTS_TEST_DATABASE_URL must be a postgresql+asyncpg:// (or postgresql://) URL")
         self._url = make_url(url)
         host = self._url.query.get("host")
-        # The fault proxy (tests/faults.py) needs the server's socket directory; a TCP-only URL has none.
+        # The fault proxy (tests/helpers/faults.py) needs the server's socket directory; a TCP-only URL has none.
         self.socket_dir = host if isinstance(host, str) and host.startswith("/") else ""
         self.pid: int | None = None
 
@@ -268,7 +269,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    from tests.support import CHAOS_REPORT
+    from tests.helpers.support import CHAOS_REPORT
 
     report = config.stash.get(CHAOS_REPORT, None)
     if report:
@@ -289,7 +290,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 from contextlib import AsyncExitStack  # noqa: E402
 
-from tests.workflow_support import Harness, open_harness  # noqa: E402
+from tests.helpers.harness import Harness, open_harness  # noqa: E402
 
 
 @pytest.fixture

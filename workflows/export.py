@@ -1,7 +1,7 @@
 """ExportWorkflow: one per export (ID `export-<job id>`), the Temporal form of the reference design's runner.
 
-It reads the row, evaluates policy and claims (cutoff 1) in one step, builds, authorizes (cutoff 2) and delivers, each an
-activity that commits the documented conditional statement. It decides only from the row, never from Temporal's
+It reads the row, evaluates policy and claims (cutoff 1) in one step, builds, authorizes (cutoff 2) and delivers,
+each an activity that commits the documented conditional statement. It decides only from the row, never from Temporal's
 own state, and returns the row's state once it needs no attempt.
 """
 
@@ -42,6 +42,8 @@ with workflow.unsafe.imports_passed_through():
     from activities.error_types import EXPORT_NOT_CREATED, EXPORT_NOT_FOUND, INVALID_EXPORT_INPUT
     from activities.exports import ExportActivities
     from store.models import AuthorizationResult, CancellationOutcome, ClaimResult, JobRow, Status
+
+import builtins
 
 from workflows.identity import (
     DELIVERY_KEY,
@@ -244,7 +246,7 @@ class ExportWorkflow:
     async def _wait_for_wake(self) -> None:
         try:
             await workflow.wait_condition(lambda: self._woken, timeout=_IDLE_RECHECK)
-        except asyncio.TimeoutError:
+        except builtins.TimeoutError:
             pass
 
     def _observe(self, row: JobRow | None, *, show: bool = True) -> JobRow:

@@ -21,6 +21,6 @@ async def stop(process: asyncio.subprocess.Process | None, timeout: float = 10.0
     process.terminate()
     try:
         await asyncio.wait_for(process.wait(), timeout=timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         process.kill()
         await process.wait()

@@ -16,20 +16,19 @@ from temporalio.client import Client
 
 from activities.contracts import PartnerSweepOutput, RecoveryInput, RecoveryReport, SweepInput
 from store.models import CancellationOutcome, Status
-from tests.replay.history_files import save
-from tests.support import eventually
-from tests.test_cancel_workflow import building
-from tests.test_crash_workflow import (
+from tests.helpers.crash import (
     crash_world,
     processes,
     recorded_for,
     recovery_only_worker,
-    start,
+    start_worker,
     wait_lease_expired,
 )
-from tests.test_delivery_rules import unknown_original
-from tests.workflow_support import Harness, held_at, open_harness
+from tests.helpers.harness import Harness, building, held_at, open_harness, unknown_original
+from tests.helpers.support import eventually
+from tests.replay.history_files import save
 from worker import running_worker
+from workflows.identity import export_workflow_id
 
 
 async def record(client: Client, workflow_id: str, case: str) -> None:
@@ -37,7 +36,7 @@ async def record(client: Client, workflow_id: str, case: str) -> None:
 
 
 async def record_export(h: Harness, job_id: uuid.UUID, case: str) -> None:
-    await record(h.client, f"export-{job_id}", case)
+    await record(h.client, export_workflow_id(job_id), case)
 
 
 async def test_export_completed(harness: Harness):
@@ -61,7 +60,7 @@ async def test_export_stopped_by_temporal_cancel(slow_build_harness: Harness):
     h = slow_build_harness
     job_id = await h.create()
     await building(h, job_id)
-    await h.client.get_workflow_handle(f"export-{job_id}").cancel()
+    await h.client.get_workflow_handle(export_workflow_id(job_id)).cancel()
     assert (await h.settled(job_id)).status is Status.STOPPED
     await record_export(h, job_id, "export_stopped_by_temporal_cancel")
 
@@ -98,10 +97,10 @@ async def test_export_outcome_unknown(harness: Harness):
 async def test_export_resumed_after_crash(db, store, client, tmp_path):
     """The building worker is killed; another resumes the build under the same attempt and delivers."""
     async with crash_world(db, store, client, tmp_path) as h, processes(h) as started:
-        crashing = await start(started, h, hold_at="build_started")
+        crashing = await start_worker(started, h, hold_at="build_started")
         job_id = await h.create()
         await held_at(h.settings, "build_started", job_id)
-        await start(started, h)
+        await start_worker(started, h)
         crashing.kill()
         row = await h.settled(job_id)
         assert (row.status, row.attempt_count) == (Status.COMPLETED, 1)
@@ -112,7 +111,7 @@ async def test_export_requeued_by_recovery_and_recovery_run(db, store, client, t
     """The building worker is killed while no other runs; recovery requeues the attempt, and a new worker's
     second attempt delivers. Records both the export and the recovery run that took it over."""
     async with crash_world(db, store, client, tmp_path) as h, processes(h) as started:
-        crashing = await start(started, h, hold_at="build_started")
+        crashing = await start_worker(started, h, hold_at="build_started")
         job_id = await h.create()
         await held_at(h.settings, "build_started", job_id)
         crashing.kill()
@@ -123,7 +122,7 @@ async def test_export_requeued_by_recovery_and_recovery_run(db, store, client, t
                 "RecoveryWorkflow", RecoveryInput(limit=h.settings.recovery_batch), id=recovery_id,
                 task_queue=queue, result_type=RecoveryReport), timeout=30)
         assert recorded_for(report, job_id) == ["RequeuedByRecovery"]
-        await start(started, h)
+        await start_worker(started, h)
         row = await h.settled(job_id)
         assert (row.status, row.attempt_count) == (Status.COMPLETED, 2)
         await record_export(h, job_id, "export_requeued_by_recovery")

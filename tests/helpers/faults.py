@@ -1,0 +1,272 @@
+"""A real fault injector: a TCP proxy in front of PostgreSQL (its Unix socket, or its TCP port) that cuts
+connections at chosen points of the v3 wire protocol, so a test can lose a response after the server has
+committed, or lose a statement before it reaches the server, exactly as a dropped network connection would."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.engine import make_url
+
+log = logging.getLogger(__name__)
+
+# Untyped requests a client may send before its startup packet; the proxy answers them itself ("not supported"),
+# so the server only ever sees the plain startup packet and its replies are typed messages from the first byte.
+SSL_REQUEST = 80877103
+GSSENC_REQUEST = 80877104
+
+
+def socket_path(socket_dir: str) -> str:
+    """The server's socket file in `socket_dir` (its name carries the port)."""
+    found = sorted(Path(socket_dir).glob(".s.PGSQL.*"))
+    found = [p for p in found if not p.name.endswith(".lock")]
+    if len(found) != 1:
+        raise RuntimeError(f"expected one PostgreSQL socket in {socket_dir}, found {found}")
+    return str(found[0])
+
+
+def upstream_of(server: Any) -> str:
+    """Where the proxy forwards to: the server's Unix socket when it has one in reach, else its TCP host:port
+    (a server in a container, or one given by a TCP URL)."""
+    if server.socket_dir:
+        return socket_path(server.socket_dir)
+    url = make_url(server.url("owner"))
+    return f"{url.host or '127.0.0.1'}:{url.port or 5432}"
+
+
+@dataclass
+class _Rule:
+    marker: bytes
+    fired: asyncio.Event = field(default_factory=asyncio.Event)
+    failed: bool = False  # the armed statement failed: nothing will commit
+
+
+@dataclass(eq=False)  # identity: kept in a set
+class _Conn:
+    client: asyncio.StreamWriter
+    server: asyncio.StreamWriter
+    prepared: dict[bytes, bytes] = field(default_factory=dict)  # statement name -> its SQL
+    armed: _Rule | None = None  # a cut_after_commit rule waiting for this connection's COMMIT
+
+    def close(self) -> None:
+        for writer in (self.client, self.server):
+            with contextlib.suppress(Exception):
+                writer.transport.abort()  # abort, not close: nothing buffered gets out after the cut
+
+
+class PgFaultProxy:
+    """127.0.0.1:<port> -> the server (a Unix socket's path, or host:port). Each rule fires once; `log_messages`
+    shows what clients send."""
+
+    def __init__(self, upstream: str, *, log_messages: bool = False) -> None:
+        self.upstream = upstream
+        self.log_messages = log_messages
+        self.port = 0
+        self.accepted = 0  # connections forwarded to the server
+        self.refused = 0  # connections closed at once while refusing
+        self.held = 0  # connections waiting, right now, for accept_new_connections()
+        self._mode = "open"  # "open", "refuse" or "hold"
+        self._released = asyncio.Event()
+        self.sent: list[tuple[str, str]] = []  # (type, text) of client messages, when log_messages
+        self._server: asyncio.base_events.Server | None = None
+        self._conns: set[_Conn] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._after_commit: _Rule | None = None
+        self._before: _Rule | None = None
+
+    async def start(self) -> PgFaultProxy:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        self._mode = "refuse"  # held connections, released below, are closed rather than forwarded
+        self._released.set()
+        self.cut_all()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    def url(self, role: str, database: str) -> str:
+        return f"postgresql+asyncpg://{role}@127.0.0.1:{self.port}/{database}"
+
+    # --- faults -------------------------------------------------------------------------------------------------
+
+    def cut_after_commit(self, marker: str) -> asyncio.Event:
+        """Let the statement holding `marker` and its commit through, then drop the server's reply to the commit
+        and close both sides: committed on the server, never heard by the client. The commit is a COMMIT, or, for
+        a statement run outside a transaction block, the statement itself (the server is idle after it). The
+        event is set at the cut."""
+        self._after_commit = _Rule(marker.encode())
+        return self._after_commit.fired
+
+    def cut_before(self, marker: str) -> asyncio.Event:
+        """Close both sides instead of forwarding the message holding `marker`: the server never sees it."""
+        self._before = _Rule(marker.encode())
+        return self._before.fired
+
+    def refuse_new_connections(self) -> None:
+        """New connections are accepted and closed at once, before any byte reaches the server."""
+        self._mode = "refuse"
+
+    def hold_new_connections(self) -> None:
+        """New connections are accepted and left waiting, unanswered, until accept_new_connections()."""
+        self._mode = "hold"
+        self._released.clear()
+
+    def accept_new_connections(self) -> None:
+        self._mode = "open"
+        self._released.set()
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns)
+
+    def cut_all(self) -> None:
+        for conn in list(self._conns):
+            conn.close()
+        self._conns.clear()
+
+    # --- plumbing -----------------------------------------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        if self._mode == "hold":
+            self.held += 1
+            try:
+                await self._released.wait()
+            finally:
+                self.held -= 1
+        if self._mode == "refuse":
+            self.refused += 1
+            client_w.transport.abort()
+            return
+        try:
+            server_r, server_w = await self._open_upstream()
+        except OSError as exc:
+            log.warning("proxy cannot reach %s: %s", self.upstream, exc)
+            client_w.transport.abort()
+            return
+        self.accepted += 1
+        conn = _Conn(client_w, server_w)
+        self._conns.add(conn)
+        self._spawn(self._pump_client(conn, client_r))
+        self._spawn(self._pump_server(conn, server_r))
+
+    async def _open_upstream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self.upstream.startswith("/"):
+            return await asyncio.open_unix_connection(self.upstream)
+        host, port = self.upstream.rsplit(":", 1)
+        return await asyncio.open_connection(host, int(port))
+
+    async def _pump_client(self, conn: _Conn, reader: asyncio.StreamReader) -> None:
+        try:
+            # Untyped packets (SSL/GSS requests, then the startup packet): int32 length including itself, body.
+            while True:
+                head = await reader.readexactly(4)
+                body = await reader.readexactly(struct.unpack("!i", head)[0] - 4)
+                code = struct.unpack("!i", body[:4])[0]
+                if code in (SSL_REQUEST, GSSENC_REQUEST):
+                    conn.client.write(b"N")
+                    continue
+                conn.server.write(head + body)
+                break
+            # Typed messages: 1 type byte, int32 length including itself, body.
+            while True:
+                head = await reader.readexactly(5)
+                body = await reader.readexactly(struct.unpack("!i", head[1:])[0] - 4)
+                if not self._on_client_message(conn, head[:1], body):
+                    return
+                conn.server.write(head + body)
+                await conn.server.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        finally:
+            self._drop(conn)
+
+    def _on_client_message(self, conn: _Conn, kind: bytes, body: bytes) -> bool:
+        """Whether to forward the message; arms or fires the rules on the SQL it carries."""
+        if kind == b"Q":
+            sql = body.rstrip(b"\0")
+        elif kind == b"P":
+            name, _, rest = body.partition(b"\0")
+            sql = rest.partition(b"\0")[0]
+            conn.prepared[name] = sql  # asyncpg caches statements and later runs them by name alone
+        elif kind == b"B":
+            sql = conn.prepared.get(body.split(b"\0", 2)[1], b"")  # portal name, then the statement's name
+        else:
+            return True
+        if self.log_messages:
+            self.sent.append((kind.decode(), sql.decode(errors="replace")))
+        if self._before is not None and self._before.marker in sql:
+            log.info("proxy: cutting before %r", self._before.marker)
+            self._before.fired.set()
+            self._before = None
+            self._drop(conn)
+            return False
+        # Armed when the statement runs (Bind or a simple query), not when it is only prepared: a prepare ends in
+        # its own ReadyForQuery, which must not be taken for the commit.
+        if self._after_commit is not None and kind != b"P" and self._after_commit.marker in sql:
+            conn.armed, self._after_commit = self._after_commit, None
+        return True
+
+    async def _pump_server(self, conn: _Conn, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                head = await reader.readexactly(5)
+                body = await reader.readexactly(struct.unpack("!i", head[1:])[0] - 4)
+                # CommandComplete "COMMIT": the server has committed. Drop it and everything after it.
+                if conn.armed is not None and head[:1] == b"C" and body.rstrip(b"\0") == b"COMMIT":
+                    log.info("proxy: cutting after commit of %r", conn.armed.marker)
+                    conn.armed.fired.set()
+                    conn.armed = None
+                    return
+                if conn.armed is not None and head[:1] == b"C" and body.rstrip(b"\0") == b"ROLLBACK":
+                    conn.armed = None  # the statement failed: nothing committed, nothing to cut
+                if conn.armed is not None and head[:1] == b"E":
+                    conn.armed.failed = True
+                # ReadyForQuery "idle" right after the armed statement ran outside a transaction block: its own
+                # commit. Drop it, so the client never learns the answer.
+                if conn.armed is not None and head[:1] == b"Z" and body == b"I":
+                    if conn.armed.failed:
+                        conn.armed = None
+                    else:
+                        log.info("proxy: cutting after the autocommit of %r", conn.armed.marker)
+                        conn.armed.fired.set()
+                        conn.armed = None
+                        return
+                conn.client.write(head + body)
+                await conn.client.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        finally:
+            self._drop(conn)
+
+    def _drop(self, conn: _Conn) -> None:
+        conn.close()
+        self._conns.discard(conn)
+
+
+@contextlib.asynccontextmanager
+async def fault_proxy(server: Any, **kwargs: bool):  # type: ignore[no-untyped-def]
+    """A proxy in front of `server` (the suite's PostgreSQL: embedded, existing or in a container)."""
+    proxy = await PgFaultProxy(upstream_of(server), **kwargs).start()
+    try:
+        yield proxy
+    finally:
+        await proxy.stop()

@@ -1,0 +1,408 @@
+"""Recovery interleavings (reference design, Recovery; Test Matrix, Recovery interleavings), against the real
+database: real expired leases, separate connections, real transactions, and pg_blocking_pids wherever a test
+claims that one writer waits for another."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from store.jobs import JobStore
+from store.models import AuthorizationResult, BuiltFile, CancellationOutcome, ClaimResult, JobRow, Status
+from store.recovery import EXHAUSTED, REQUEUED, STOPPED, Candidate, Recovery
+from store.statements import statement
+from tests.helpers.events import events, kinds
+from tests.helpers.store_states import expire, outbox
+from tests.helpers.support import create_job, eventually
+
+RUN = "recovery-run-1"
+WAIT = 5.0  # every wait in this module is bounded by this many seconds
+
+
+@pytest.fixture
+def recovery(app_engine: AsyncEngine) -> Recovery:
+    return Recovery(app_engine, max_attempts=3)
+
+
+async def running(store: JobStore, tenant: tuple[uuid.UUID, uuid.UUID]) -> tuple[JobRow, uuid.UUID]:
+    """A new job claimed by a new attempt, with the store's real 5 s lease."""
+    job_id = await create_job(store, *tenant)
+    attempt_id = uuid.uuid4()
+    assert await store.claim(job_id, 1, attempt_id, "worker-a") is ClaimResult.CLAIMED
+    return await store.read_job(job_id), attempt_id
+
+
+def built(job: JobRow) -> BuiltFile:
+    return BuiltFile(path="/nonexistent/built.csv", final_name=job.final_name, size=42, sha256_hex="ab" * 32)
+
+
+async def lease_current(db, job_id: uuid.UUID) -> bool | None:
+    return await db.admin.fetchval(
+        "SELECT lease_expires_at > clock_timestamp() FROM export_jobs WHERE id = $1", job_id)
+
+
+@asynccontextmanager
+async def held(engine: AsyncEngine, name: str, **params: object) -> AsyncIterator[tuple[AsyncConnection, int]]:
+    """Run one documented statement in a transaction left open; yields the connection and its backend pid.
+    The caller commits; leaving without a commit rolls back."""
+    async with engine.connect() as conn:
+        await conn.begin()
+        pid = await conn.scalar(text("SELECT pg_backend_pid()"))
+        result = await conn.execute(statement(name), params)
+        assert result.rowcount == 1, f"{name} changed nothing while arranging"
+        yield conn, pid
+
+
+async def blocked_by(db, blocker_pid: int, marker: str) -> int:
+    """The backend running a statement containing `marker` that waits on `blocker_pid`'s locks."""
+    return await eventually(
+        lambda: db.admin.fetchval(
+            "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid)) AND query LIKE $2",
+            blocker_pid, f"%{marker}%"),
+        lambda pid: pid is not None, timeout=WAIT, what=f"a statement with {marker!r} waiting on {blocker_pid}")
+
+
+@pytest.mark.spec("RI3")
+async def test_nominate__only_expired_running_and_delivering(db, store, recovery, tenant):
+    queued = await create_job(store, *tenant)
+    current, _ = await running(store, tenant)
+    expired, expired_attempt = await running(store, tenant)
+    delivering, delivering_attempt = await running(store, tenant)
+    assert await store.authorize_delivery(delivering, delivering_attempt, built(delivering)) is (
+        AuthorizationResult.AUTHORIZED)
+    await expire(db, expired.id)
+    await expire(db, delivering.id)
+    await db.admin.execute("UPDATE export_jobs SET woken_at = woken_at - interval '1 hour' WHERE id = $1", queued)
+
+    found = {c.job_id: c for c in await recovery.nominate(limit=10)}
+    assert set(found) == {expired.id, delivering.id}
+    assert found[expired.id] == Candidate(expired.id, expired_attempt, Status.RUNNING, None, 1)
+    assert found[delivering.id].status is Status.DELIVERING
+    assert current.id not in found
+    assert len(await recovery.nominate(limit=1)) == 1
+    # Nominating writes nothing.
+    assert kinds(await events(db, expired.id)) == ["Claimed"]
+
+
+@pytest.mark.spec("RI1")
+async def test_cancel_after_recovery_requeue_is_canceled_while_queued(db, store, recovery, tenant):
+    job, attempt_id = await running(store, tenant)
+    await expire(db, job.id)
+    [candidate] = await recovery.nominate(limit=10)
+    assert await recovery.take_over_running(candidate, RUN) == REQUEUED
+
+    row = await store.read_job(job.id)
+    assert (row.status, row.attempt_id, row.claimed_by, row.lease_expires_at, row.attempt_count) == (
+        Status.QUEUED, None, None, None, 1)
+    assert row.woken_at > job.woken_at
+    assert kinds(await events(db, job.id)) == ["Claimed", "RequeuedByRecovery"]
+    messages = await outbox(db, job.id)
+    assert len(messages) == 2 and len(set(messages)) == 2  # a new message ID for the requeue's wake-up
+
+    result = await store.request_cancellation(
+        tenant_id=tenant[0], job_id=job.id, request_id=uuid.uuid4(), requested_by="operator@example", reason="t")
+    assert result.outcome is CancellationOutcome.CANCELED_WHILE_QUEUED
+    recorded = await db.admin.fetchrow(
+        "SELECT outcome, found_status, found_attempt_id, found_attempt_count FROM cancellation_requests "
+        "WHERE job_id = $1", job.id)
+    assert tuple(recorded) == ("CanceledWhileQueued", "Queued", None, 1)
+    row = await store.read_job(job.id)
+    assert (row.status, row.cancellation_request_id) == (Status.CANCELED, result.request_id)
+    # The old attempt's late writes match nothing.
+    assert not await store.renew_lease(job.id, attempt_id)
+    assert await store.authorize_delivery(job, attempt_id, built(job)) is AuthorizationResult.NOT_OWNER
+
+
+async def late_worker(store: JobStore, job: JobRow, attempt_id: uuid.UUID) -> AuthorizationResult:
+    """A worker that resumes late at cutoff 2: refused for its lease, it renews and retries once."""
+    result = await store.authorize_delivery(job, attempt_id, built(job))
+    if result is AuthorizationResult.LEASE_LAPSED and await store.renew_lease(job.id, attempt_id):
+        result = await store.authorize_delivery(job, attempt_id, built(job))
+    return result
+
+
+async def renewing_worker(store: JobStore, job: JobRow, attempt_id: uuid.UUID) -> AuthorizationResult:
+    """A worker whose lease keeper fires just as recovery arrives, then goes to cutoff 2 if it still owns the row."""
+    if not await store.renew_lease(job.id, attempt_id):
+        return AuthorizationResult.NOT_OWNER
+    return await store.authorize_delivery(job, attempt_id, built(job))
+
+
+@pytest.mark.spec("RI2")
+async def test_requeue_and_late_authorization_never_both_commit(db, store, recovery, tenant):
+    # The lease ends around the moment both sides start. The extremes decide by the lease alone (so both sides
+    # win sometimes); the middle band lands on the boundary, about a millisecond here, where the renewal, the row
+    # lock and the re-check of Running and the attempt decide. Whichever it is, exactly one side commits.
+    offsets = [-0.05, -0.001, 0.0, 0.0005, 0.001, 0.0015, 0.002, 0.05]
+    wins = {"requeued": 0, "authorized": 0}
+    iterations = 0
+    for worker in (late_worker, renewing_worker):
+        for offset in offsets * 4:
+            iterations += 1
+            job, attempt_id = await running(store, tenant)
+            await db.admin.execute(
+                "UPDATE export_jobs SET lease_expires_at = clock_timestamp() + make_interval(secs => $2) "
+                "WHERE id = $1", job.id, offset)
+            requeued, authorization = await asyncio.gather(
+                recovery.requeue(job.id, attempt_id), worker(store, job, attempt_id))
+            found = kinds(await events(db, job.id))
+            row = await store.read_job(job.id)
+            assert ("RequeuedByRecovery" in found) + ("DeliveryAuthorized" in found) == 1, found
+            if requeued:
+                wins["requeued"] += 1
+                assert authorization is not AuthorizationResult.AUTHORIZED
+                assert found == ["Claimed", "RequeuedByRecovery"]
+                assert (row.status, row.attempt_id, row.delivery_authorized_at) == (Status.QUEUED, None, None)
+                assert len(await outbox(db, job.id)) == 2
+            else:
+                wins["authorized"] += 1
+                assert authorization is AuthorizationResult.AUTHORIZED
+                assert found == ["Claimed", "DeliveryAuthorized"]
+                assert (row.status, row.attempt_id) == (Status.DELIVERING, attempt_id)
+                assert len(await outbox(db, job.id)) == 1
+    assert sum(wins.values()) == iterations
+    assert wins["requeued"] and wins["authorized"], wins
+
+
+@pytest.mark.spec("RI2")
+async def test_authorization_holding_the_row_makes_the_requeue_wait_then_match_nothing(
+    db, store, recovery, tenant, app_engine
+):
+    # Cutoff 2 passes its lease check while the lease is current and keeps its transaction open past the expiry;
+    # the requeue then sees an expired Running row, waits for the row lock, and re-checks Running after commit.
+    job, attempt_id = await running(store, tenant)
+    await db.admin.execute(
+        "UPDATE export_jobs SET lease_expires_at = clock_timestamp() + interval '300 milliseconds' WHERE id = $1",
+        job.id)
+    file = built(job)
+    async with held(app_engine, "authorize_delivery", job_id=job.id, tenant_id=job.tenant_id,
+                    attempt_id=attempt_id, replaces_job_id=None, final_name=file.final_name, length=file.size,
+                    sha256=bytes.fromhex(file.sha256_hex), holder=None, lease_seconds=5.0) as (conn, pid):
+        await eventually(lambda: lease_current(db, job.id), lambda current: current is False, timeout=WAIT,
+                         what="lease expiry")
+        requeue = asyncio.create_task(recovery.requeue(job.id, attempt_id))
+        await blocked_by(db, pid, "RequeuedByRecovery")
+        await conn.commit()
+    assert await asyncio.wait_for(requeue, WAIT) is False
+    row = await store.read_job(job.id)
+    assert (row.status, row.attempt_id) == (Status.DELIVERING, attempt_id)
+    assert kinds(await events(db, job.id)) == ["Claimed", "DeliveryAuthorized"]
+    assert len(await outbox(db, job.id)) == 1
+
+
+@pytest.mark.spec("RI2", "RI5")
+async def test_requeue_holding_the_row_makes_the_renewal_wait_then_match_nothing(
+    db, store, recovery, tenant, app_engine
+):
+    # The other order: the takeover holds the row; the late worker's renewal waits for it, and after its commit
+    # finds another state, so the worker cannot get back to cutoff 2.
+    job, attempt_id = await running(store, tenant)
+    await expire(db, job.id)
+    async with held(app_engine, "recovery_requeue", job_id=job.id, expired_attempt_id=attempt_id,
+                    max_attempts=3) as (conn, pid):
+        renew = asyncio.create_task(store.renew_lease(job.id, attempt_id))
+        await blocked_by(db, pid, "lease_expires_at = clock_timestamp() + make_interval")
+        await conn.commit()
+    assert await asyncio.wait_for(renew, WAIT) is False
+    assert await store.authorize_delivery(job, attempt_id, built(job)) is AuthorizationResult.NOT_OWNER
+    row = await store.read_job(job.id)
+    assert (row.status, row.attempt_id, row.lease_expires_at) == (Status.QUEUED, None, None)
+    assert kinds(await events(db, job.id)) == ["Claimed", "RequeuedByRecovery"]
+
+
+@pytest.mark.spec("RI3")
+async def test_renewal_after_the_scan_prevents_the_takeover(db, store, recovery, tenant):
+    job, attempt_id = await running(store, tenant)
+    delivering, delivering_attempt = await running(store, tenant)
+    assert await store.authorize_delivery(delivering, delivering_attempt, built(delivering)) is (
+        AuthorizationResult.AUTHORIZED)
+    await expire(db, job.id)
+    await expire(db, delivering.id)
+    candidates = {c.job_id: c for c in await recovery.nominate(limit=10)}
+    assert set(candidates) == {job.id, delivering.id}
+
+    assert await store.renew_lease(job.id, attempt_id)
+    assert await store.renew_lease(delivering.id, delivering_attempt)
+    assert await recovery.take_over_running(candidates[job.id], RUN) is None
+    assert not await recovery.resolve(delivering.id, delivering_attempt, Status.OUTCOME_UNKNOWN, "none", RUN)
+
+    for job_id, attempt, status in ((job.id, attempt_id, Status.RUNNING),
+                                    (delivering.id, delivering_attempt, Status.DELIVERING)):
+        row = await store.read_job(job_id)
+        assert (row.status, row.attempt_id) == (status, attempt)
+        assert await lease_current(db, job_id)
+        assert len(await outbox(db, job_id)) == 1
+    assert kinds(await events(db, job.id)) == ["Claimed"]
+    assert kinds(await events(db, delivering.id)) == ["Claimed", "DeliveryAuthorized"]
+
+
+@pytest.mark.spec("RI3")
+async def test_uncommitted_renewal_makes_the_takeover_wait_and_reevaluate(db, store, recovery, tenant, app_engine):
+    job, attempt_id = await running(store, tenant)
+    await expire(db, job.id)
+    [candidate] = await recovery.nominate(limit=10)
+    async with held(app_engine, "renew_lease", job_id=job.id, attempt_id=attempt_id, holder=None,
+                    lease_seconds=5.0) as (conn, pid):
+        takeover = asyncio.create_task(recovery.take_over_running(candidate, RUN))
+        await blocked_by(db, pid, "RequeuedByRecovery")
+        await conn.commit()
+    assert await asyncio.wait_for(takeover, WAIT) is None
+    row = await store.read_job(job.id)
+    assert (row.status, row.attempt_id) == (Status.RUNNING, attempt_id)
+    assert kinds(await events(db, job.id)) == ["Claimed"]
+    assert len(await outbox(db, job.id)) == 1
+
+
+@pytest.mark.spec("RI5")
+async def test_expired_lease_renews_until_a_takeover_commits_in_running_and_delivering(
+    db, store, recovery, tenant
+):
+    job, attempt_id = await running(store, tenant)
+    delivering, delivering_attempt = await running(store, tenant)
+    assert await store.authorize_delivery(delivering, delivering_attempt, built(delivering)) is (
+        AuthorizationResult.AUTHORIZED)
+    for job_id, attempt in ((job.id, attempt_id), (delivering.id, delivering_attempt)):
+        # Expired but not taken over: the attempt still owns the row and can renew.
+        await expire(db, job_id)
+        assert await store.renew_lease(job_id, attempt)
+        assert await lease_current(db, job_id)
+        await expire(db, job_id)
+
+    assert await recovery.take_over_running(
+        Candidate(job.id, attempt_id, Status.RUNNING, None, 1), RUN) == REQUEUED
+    assert await recovery.resolve(delivering.id, delivering_attempt, Status.OUTCOME_UNKNOWN, "no listing", RUN)
+
+    assert not await store.renew_lease(job.id, attempt_id)
+    assert not await store.renew_lease(delivering.id, delivering_attempt)
+    row = await store.read_job(job.id)
+    assert (row.status, row.attempt_id, row.lease_expires_at) == (Status.QUEUED, None, None)
+    row = await store.read_job(delivering.id)
+    assert (row.status, row.attempt_id, row.lease_expires_at) == (
+        Status.OUTCOME_UNKNOWN, delivering_attempt, None)
+
+
+@pytest.mark.spec("RI6")
+async def test_expired_lease_is_refused_at_cutoff_2_until_it_renews(db, store, tenant):
+    job, attempt_id = await running(store, tenant)
+    await expire(db, job.id)
+    assert await store.authorize_delivery(job, attempt_id, built(job)) is AuthorizationResult.LEASE_LAPSED
+    row = await store.read_job(job.id)
+    assert (row.status, row.delivery_authorized_at, row.expected_file_name) == (Status.RUNNING, None, None)
+    assert kinds(await events(db, job.id)) == ["Claimed"]
+
+    assert await store.renew_lease(job.id, attempt_id)
+    assert await store.authorize_delivery(job, attempt_id, built(job)) is AuthorizationResult.AUTHORIZED
+    row = await store.read_job(job.id)
+    assert (row.status, row.attempt_id, row.expected_file_name, row.expected_file_bytes) == (
+        Status.DELIVERING, attempt_id, job.final_name, 42)
+    assert kinds(await events(db, job.id)) == ["Claimed", "DeliveryAuthorized"]
+
+
+@pytest.mark.spec("RI7")
+async def test_expired_attempt_with_a_stop_request_ends_stopped(db, store, recovery, tenant):
+    job, attempt_id = await running(store, tenant)
+    stop = await store.request_cancellation(
+        tenant_id=tenant[0], job_id=job.id, request_id=uuid.uuid4(), requested_by="operator@example", reason="t")
+    assert stop.outcome is CancellationOutcome.STOP_REQUESTED
+    # While the lease is current nothing is taken over.
+    assert not await recovery.stop(job.id, attempt_id, RUN)
+
+    await expire(db, job.id)
+    [candidate] = await recovery.nominate(limit=10)
+    assert candidate.stop_request_id == stop.request_id
+    assert not await recovery.requeue(job.id, attempt_id)  # a stopped attempt is finished, not restarted
+    assert await recovery.take_over_running(candidate, RUN) == STOPPED
+
+    row = await store.read_job(job.id)
+    assert (row.status, row.attempt_id, row.lease_expires_at, row.stop_request_id) == (
+        Status.STOPPED, attempt_id, None, stop.request_id)
+    event = await db.admin.fetchrow(
+        "SELECT attempt_id, observed_by FROM export_attempt_events WHERE job_id = $1 AND kind = 'StoppedByRecovery'",
+        job.id)
+    assert tuple(event) == (attempt_id, RUN)
+    assert kinds(await events(db, job.id)) == ["Claimed", "StoppedByRecovery"]
+    assert len(await outbox(db, job.id)) == 1
+    assert await recovery.take_over_running(candidate, RUN) is None  # once only
+
+
+@pytest.mark.spec("RI8")
+async def test_expired_attempt_at_the_cap_ends_failed_attempts_exhausted(db, store, recovery, tenant):
+    job_id = await create_job(store, *tenant)
+    attempts = []
+    for number in (1, 2, 3):
+        attempt_id = uuid.uuid4()
+        assert await store.claim(job_id, 1, attempt_id, f"worker-{number}") is ClaimResult.CLAIMED
+        attempts.append(attempt_id)
+        await expire(db, job_id)
+        [candidate] = await recovery.nominate(limit=10)
+        assert candidate.attempt_count == number
+        if number < 3:
+            assert not await recovery.exhaust(job_id, attempt_id, RUN)  # under the cap
+            assert await recovery.take_over_running(candidate, RUN) == REQUEUED
+    assert not await recovery.requeue(job_id, attempts[-1])  # at the cap
+    assert await recovery.take_over_running(candidate, RUN) == EXHAUSTED
+
+    row = await store.read_job(job_id)
+    assert (row.status, row.failure_reason, row.attempt_id, row.attempt_count, row.lease_expires_at) == (
+        Status.FAILED, "AttemptsExhausted", attempts[-1], 3, None)
+    assert kinds(await events(db, job_id)) == [
+        "Claimed", "RequeuedByRecovery", "Claimed", "RequeuedByRecovery", "Claimed", "AttemptsExhausted"]
+    event = await db.admin.fetchrow(
+        "SELECT attempt_id, observed_by FROM export_attempt_events WHERE job_id = $1 AND kind = 'AttemptsExhausted'",
+        job_id)
+    assert tuple(event) == (attempts[-1], RUN)
+    assert len(await outbox(db, job_id)) == 3  # creation and two requeues; none for the failure
+    assert await recovery.nominate(limit=10) == []
+
+
+@pytest.mark.spec("RI10")
+async def test_late_receipt_after_recovery_is_kept_and_changes_nothing(db, store, recovery, tenant):
+    job, attempt_id = await running(store, tenant)
+    assert await store.authorize_delivery(job, attempt_id, built(job)) is AuthorizationResult.AUTHORIZED
+    # A current lease prevents the resolution.
+    assert not await recovery.resolve(job.id, attempt_id, Status.OUTCOME_UNKNOWN, "no listing", RUN)
+    await expire(db, job.id)
+    [candidate] = await recovery.nominate(limit=10)
+    assert candidate.status is Status.DELIVERING
+    assert await recovery.resolve(job.id, attempt_id, Status.OUTCOME_UNKNOWN, "final name absent", RUN)
+    resolved = await db.admin.fetchrow(
+        "SELECT attempt_id, observed_by, detail FROM export_attempt_events "
+        "WHERE job_id = $1 AND kind = 'ResolvedByRecovery'", job.id)
+    assert tuple(resolved) == (attempt_id, RUN, "OutcomeUnknown: final name absent")
+
+    # The superseded attempt's receipt arrives: appended as evidence; its terminal write matches nothing.
+    await store.append_evidence(job.id, attempt_id, "worker-a", {"final_name": job.final_name, "size": 42})
+    assert not await store.finish_delivery(job.id, attempt_id, Status.COMPLETED, None, "uploaded",
+                                           confirmed_by="size")
+    row = await store.read_job(job.id)
+    assert (row.status, row.attempt_id, row.failure_reason, row.lease_expires_at) == (
+        Status.OUTCOME_UNKNOWN, attempt_id, None, None)
+    assert kinds(await events(db, job.id)) == [
+        "Claimed", "DeliveryAuthorized", "ResolvedByRecovery", "DeliveryEvidence"]
+    evidence = await db.admin.fetchrow(
+        "SELECT attempt_id, observed_by, detail FROM export_attempt_events "
+        "WHERE job_id = $1 AND kind = 'DeliveryEvidence'", job.id)
+    assert (evidence["attempt_id"], evidence["observed_by"]) == (attempt_id, "worker-a")
+    assert job.final_name in evidence["detail"]
+
+
+async def test_resolve_to_completed_records_its_evidence_and_refuses_other_states(db, store, recovery, tenant):
+    job, attempt_id = await running(store, tenant)
+    assert await store.authorize_delivery(job, attempt_id, built(job)) is AuthorizationResult.AUTHORIZED
+    await expire(db, job.id)
+    with pytest.raises(ValueError):
+        await recovery.resolve(job.id, attempt_id, Status.FAILED, "absent", RUN)
+    assert not await recovery.resolve(job.id, uuid.uuid4(), Status.COMPLETED, "listing matches", RUN,
+                                      confirmed_by="size")
+    assert await recovery.resolve(job.id, attempt_id, Status.COMPLETED, "listing matches", RUN, confirmed_by="size")
+    assert (await store.read_job(job.id)).status is Status.COMPLETED
+    assert await db.admin.fetchval(
+        "SELECT detail FROM export_attempt_events WHERE job_id = $1 AND kind = 'ResolvedByRecovery'", job.id
+    ) == "Completed: listing matches"
+    assert not await recovery.resolve(job.id, attempt_id, Status.COMPLETED, "again", RUN, confirmed_by="size")
