@@ -1,9 +1,7 @@
 """The ApplicationError types that the export's activities and workflows raise, each named once: what a client, a
 test or an operator reading a history matches a failure on. Imports only temporalio, so a workflow imports it as
-it is, in the sandbox too.
-
-Two failures carry no type (an export ID taken by another export, a workflow ID that is not an export's): their
-message says what happened, and adding a type now would change what running histories record."""
+it is, in the sandbox too. A type is what a failure says, never what a workflow decides on: adding one leaves the
+commands of recorded runs as they were."""
 
 from __future__ import annotations
 
@@ -12,6 +10,8 @@ from temporalio.exceptions import ApplicationError
 # The start's input does not validate, its workflow ID is not `export-<job id>`, or `create.job_id` differs from
 # `job_id`: the run fails at once, before anything is written.
 INVALID_EXPORT_INPUT = "InvalidExportInput"
+# The creation step found the export ID taken by another export (another tenant's, or another delivery key).
+EXPORT_ID_TAKEN = "ExportIdTaken"
 # The run's creation step failed: this run created no export.
 EXPORT_NOT_CREATED = "ExportNotCreated"
 # The run read no row for its job ID.

@@ -32,6 +32,7 @@ from activities.delivery_activities import DeliveryActivities
 from activities.destination import InvalidDestination, validate_destination
 from store import errors
 from store.models import ClaimResult, Status
+from workflows.identity import EXPORT_WORKFLOW_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,8 @@ class ExportActivities(BuildActivities, DeliveryActivities):
         except errors.JobAlreadyExists:
             existing = await self.store.read_job(request.job_id, tenant_id=request.tenant_id)
             if existing is None or existing.delivery_key != request.delivery_key:
-                raise ApplicationError("an export with this ID already exists", non_retryable=True) from None
+                raise ApplicationError("an export with this ID already exists", type=error_types.EXPORT_ID_TAKEN,
+                                       non_retryable=True) from None
         except errors.ConstraintViolation as exc:
             raise error_types.store_refusal(exc, str(exc)) from exc
 
@@ -132,7 +134,7 @@ class ExportActivities(BuildActivities, DeliveryActivities):
 
     @activity.defn
     async def record_cancellation(self, request: CancelRequest) -> CancelOutput:
-        job_id = _uuid(activity.info().workflow_id.removeprefix("export-"))
+        job_id = _uuid(activity.info().workflow_id.removeprefix(EXPORT_WORKFLOW_PREFIX))
         requested_by = request.requested_by
         if requested_by == TEMPORAL_CANCEL_OPERATOR:
             requested_by = await self._temporal_cancel_operator()
@@ -161,4 +163,5 @@ def _uuid(value: str) -> UUID:
     try:
         return UUID(str(value))
     except ValueError:
-        raise ApplicationError(f"not an export ID: {value!r}", non_retryable=True) from None
+        raise ApplicationError(f"not an export ID: {value!r}", type=error_types.INVALID_EXPORT_INPUT,
+                               non_retryable=True) from None

@@ -24,6 +24,7 @@ from bench.table import Row, middle
 from starter.client import ExportsClient
 from store.db import make_engine
 from store.jobs import JobStore
+from workflows.identity import export_workflow_id
 
 
 async def _shape_of(client: Client, workflow_id: str) -> Shape:
@@ -88,7 +89,7 @@ async def measure(*, exports: int, rounds: int) -> Row:
                 rate, sample = await exports_per_second(client_of_exports, stack.admin, stack.tenant,
                                                         stack.destination, exports)
                 ours.append(rate)
-                shape = await _shape_of(client, f"export-{sample}")
+                shape = await _shape_of(client, export_workflow_id(sample))
                 per_export = shape.on_workflow_queue + shape.on_own_queue
                 theirs.append(await _baseline(client, "bench-noop", exports, "NoopWorkflow", per_export))
                 shaped.append(await _baseline(client, "bench-noop", exports, "ShapedNoopWorkflow", shape))

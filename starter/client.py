@@ -27,7 +27,14 @@ from store.models import CancellationResult, FailureCode, JobRow, Status
 from store.reconciliation import Reconciliation
 from store.settings import Settings
 from store.statements import RoleStore
-from workflows.identity import DELIVERY_KEY, EXPORT_ATTEMPTS, EXPORT_STATUS, EXPORT_TENANT, export_workflow_id
+from workflows.identity import (
+    DELIVERY_KEY,
+    EXPORT_ATTEMPTS,
+    EXPORT_STATUS,
+    EXPORT_TENANT,
+    export_workflow_id,
+    job_id_of,
+)
 
 # What PostgreSQL's integer columns store (export_jobs.version).
 INT4_MAX = 2**31 - 1
@@ -432,7 +439,10 @@ class ExportsClient:
         found: dict[uuid.UUID, ListedExport] = {}
         async for execution in self._temporal().list_workflows(" AND ".join(clauses), limit=limit * 2):
             attributes = execution.typed_search_attributes
-            job_id = uuid.UUID(execution.id.removeprefix("export-"))
+            listed_id = job_id_of(execution.id)
+            if listed_id is None:  # another workflow that set the attributes: not an export
+                continue
+            job_id = uuid.UUID(listed_id)
             if job_id in found:  # an earlier run of the same export; the newest comes first
                 continue
             found[job_id] = ListedExport(

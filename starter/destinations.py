@@ -24,7 +24,6 @@ from typing import Any, NoReturn, TypeVar
 
 import asyncssh
 import typer
-from sqlalchemy import insert, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -35,8 +34,8 @@ from activities.sftp_check_file import CheckFileError, check_file_sha256
 from starter.client import InputError, parse_id
 from store import errors
 from store.db import make_engine
+from store.destinations import DestinationNotFound, Destinations
 from store.jobs import JobStore
-from store.schema import destinations
 from store.settings import get_settings
 
 T = TypeVar("T")
@@ -57,29 +56,21 @@ DEFAULTS: dict[str, Any] = {"enabled": True, "name_and_size_identify": False, "h
 
 async def add_destination(engine: AsyncEngine, tenant_id: uuid.UUID, values: Mapping[str, Any]) -> uuid.UUID:
     """Insert a destination once it passes the check, as the owner. Returns its new ID."""
-    fields = {**DEFAULTS, **values}
-    _validated(fields, credential_changed=True)
-    destination_id = uuid.uuid4()
-    async with engine.begin() as conn:
-        await conn.execute(insert(destinations).values(id=destination_id, tenant_id=tenant_id, **fields))
-    return destination_id
+    return await Destinations(engine).add(tenant_id, {**DEFAULTS, **values},
+                                          lambda fields: _validated(fields, credential_changed=True))
 
 
 async def update_destination(engine: AsyncEngine, tenant_id: uuid.UUID, destination_id: uuid.UUID,
                              changes: Mapping[str, Any]) -> dict[str, Any]:
-    """Change some columns of a tenant's destination; the row as it will stand must pass the check. The row is
-    locked from the read to the write, so a concurrent update cannot slip an unchecked combination in."""
+    """Change some columns of a tenant's destination; the row as it will stand must pass the check."""
     if not changes:
         raise InputError("nothing to change: give at least one field")
-    where = (destinations.c.tenant_id == tenant_id, destinations.c.id == destination_id)
-    async with engine.begin() as conn:
-        row = (await conn.execute(select(destinations).where(*where).with_for_update())).mappings().first()
-        if row is None:
-            raise InputError(f"destination {destination_id} not found for tenant {tenant_id}")
-        merged = {**row, **changes}
-        _validated(merged, credential_changed="credential_ref" in changes)
-        await conn.execute(update(destinations).where(*where).values(**changes))
-    return merged
+    try:
+        return await Destinations(engine).update(
+            tenant_id, destination_id, changes,
+            lambda merged: _validated(merged, credential_changed="credential_ref" in changes))
+    except DestinationNotFound as exc:
+        raise InputError(str(exc)) from None
 
 
 def _validated(fields: Mapping[str, Any], *, credential_changed: bool) -> None:
@@ -258,7 +249,6 @@ def _run(body: Callable[[AsyncEngine], Awaitable[T]], *, owner: bool) -> T:
     except InputError as exc:
         fail(f"error: {_shown(exc)}", EXIT_BAD_INPUT)
     except (SQLAlchemyError, OSError, errors.StoreError) as exc:
-        # The store's reads are translated already; the owner's writes here are not.
         answer = exc if isinstance(exc, errors.StoreError) else errors.translate(exc)
         if isinstance(answer, errors.StoreError):  # a definite refusal, e.g. a role that may not write
             fail(f"refused: {_shown(answer)}", EXIT_REFUSED)

@@ -170,7 +170,7 @@ async def test_the_dispatcher_holds_no_row_lock_while_temporal_does_not_answer(d
         await create_job(store, tenant_id, destination_id)
     engine = make_engine(db.url("dispatcher"))
     async with silent_temporal() as (address, accepted):
-        temporal = await Client.connect(address, lazy=True)
+        temporal = await Client.connect(address, lazy=True, data_converter=pydantic_data_converter)
         dispatcher = OutboxDispatcher(temporal, engine, asyncpg_dsn(db.url("dispatcher")),
                                       task_queue="exports-ou4", poll_seconds=0.2)
         try:
