@@ -36,6 +36,7 @@ from starter.temporal import CONNECT_TIMEOUT_SECONDS, NotConfigured, Unreachable
 from store import errors
 from store.db import asyncpg_dsn, make_engine
 from store.jobs import JobStore
+from store.outbox import Outbox
 from store.recovery import Recovery
 from store.settings import Settings, get_settings
 from workflows.export import ExportWorkflow
@@ -108,7 +109,7 @@ async def running_worker(
                                                 max_overflow=settings.dispatcher_max_overflow)
                 dispatcher = OutboxDispatcher(
                     client,
-                    dispatcher_engine,
+                    Outbox(dispatcher_engine),
                     asyncpg_dsn(settings.dispatcher_database_url),
                     task_queue=settings.task_queue,
                     poll_seconds=settings.dispatcher_poll_seconds,

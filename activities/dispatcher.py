@@ -7,10 +7,9 @@ row, so publishing a row twice is harmless.
 
 No row lock is held while Temporal is asked: a Temporal that does not answer would hold them for as long as its
 client retries, once per row. Instead a pass reads the unpublished rows in one short statement, publishes them one
-by one outside any transaction, and marks each published row with its own conditional update. A session advisory
-lock (a lock on no row) keeps two dispatchers from publishing the same backlog at once; any dispatcher may take
-it, and it goes with the session if its holder dies. The first publication that fails ends the pass: Temporal is
-away, and the next poll tries again.
+by one outside any transaction, and marks each published row with its own conditional update, all through
+store/outbox.py, whose session advisory lock keeps two dispatchers from publishing the same backlog at once. The
+first publication that fails ends the pass: Temporal is away, and the next poll tries again.
 """
 
 from __future__ import annotations
@@ -20,35 +19,24 @@ import logging
 from uuid import UUID
 
 import asyncpg
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from temporalio.client import Client
 
 from activities.contracts import ExportInput, Wake
 from starter.temporal import short_reason
 from store import errors
+from store.outbox import Outbox
 from workflows.identity import export_workflow_id
 
 log = logging.getLogger(__name__)
 
 NOTIFY_CHANNEL = "exports_outbox"
-_PENDING = text(
-    "SELECT message_id, kind, job_id FROM outbox WHERE published_at IS NULL ORDER BY created_at LIMIT :batch"
-)
-_MARK = text(
-    "UPDATE outbox SET published_at = clock_timestamp() WHERE message_id = :message_id AND published_at IS NULL"
-)
-# One key for every dispatcher of this database (pg_try_advisory_lock's bigint): "exports outbox".
-_LOCK_KEY = 0x6578706F727473
-_TRY_LOCK = text("SELECT pg_try_advisory_lock(:key)")
-_UNLOCK = text("SELECT pg_advisory_unlock(:key)")
 
 
 class OutboxDispatcher:
     def __init__(
         self,
         client: Client,
-        engine: AsyncEngine,
+        outbox: Outbox,
         listen_dsn: str,
         *,
         task_queue: str,
@@ -56,7 +44,7 @@ class OutboxDispatcher:
         batch: int = 100,
     ) -> None:
         self.client = client
-        self.engine = engine
+        self.outbox = outbox
         self.listen_dsn = listen_dsn
         self.task_queue = task_queue
         self.poll_seconds = poll_seconds
@@ -77,40 +65,19 @@ class OutboxDispatcher:
     async def dispatch_once(self) -> int:
         """Publish one batch of unpublished rows; the number published (0 while another dispatcher publishes)."""
         published = 0
-        async with self.engine.connect() as conn:
-            locked = await conn.scalar(_TRY_LOCK, {"key": _LOCK_KEY})
-            await conn.commit()
-            if not locked:
+        async with self.outbox.dispatch_pass() as outbox:
+            if outbox is None:
                 return 0
-            try:
-                rows = (await conn.execute(_PENDING, {"batch": self.batch})).all()
-                await conn.commit()
-                for message_id, kind, job_id in rows:
-                    try:
-                        await self.publish(message_id, job_id)
-                    except Exception as exc:
-                        log.warning("outbox row %s (%s for %s) not published, the next pass tries again: %s",
-                                    message_id, kind, job_id, short_reason(exc))
-                        break
-                    await conn.execute(_MARK, {"message_id": message_id})
-                    await conn.commit()
-                    published += 1
-            finally:
-                await self._unlock(conn)
+            for row in await outbox.pending(self.batch):
+                try:
+                    await self.publish(row.message_id, row.job_id)
+                except Exception as exc:
+                    log.warning("outbox row %s (%s for %s) not published, the next pass tries again: %s",
+                                row.message_id, row.kind, row.job_id, short_reason(exc))
+                    break
+                await outbox.mark_published(row.message_id)
+                published += 1
         return published
-
-    @staticmethod
-    async def _unlock(conn: AsyncConnection) -> None:
-        """Release the advisory lock, or drop the session that holds it: a pooled connection must never keep it."""
-        if conn.invalidated:
-            return  # the session is gone, and its lock with it
-        try:
-            await conn.rollback()
-            await conn.scalar(_UNLOCK, {"key": _LOCK_KEY})
-            await conn.commit()
-        except Exception as exc:
-            log.debug("could not release the outbox lock, dropping its session: %s", exc)
-            await conn.invalidate()
 
     async def run(self, stop: asyncio.Event) -> None:
         listener = await self._listen()

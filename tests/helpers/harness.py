@@ -89,6 +89,18 @@ async def set_contract(h: Harness, **columns: object) -> None:
 # --- arranged states of one export ---------------------------------------------------------------------------
 
 
+async def stranded_in_queued(h: Harness) -> uuid.UUID:
+    """A queued job whose only wake-up was lost (its outbox row marked published, no workflow got it), last woken
+    31 minutes ago: past the sweeper's default threshold (30 minutes)."""
+    job_id = uuid.uuid4()
+    await h.store.create_job(job_id=job_id, tenant_id=h.tenant_id, destination_id=h.destination_id,
+                             delivery_key=job_id.hex, created_by="tests")
+    await h.db.admin.execute("UPDATE outbox SET published_at = clock_timestamp() WHERE job_id = $1", job_id)
+    await h.db.admin.execute("UPDATE export_jobs SET woken_at = clock_timestamp() - interval '31 minutes' "
+                             "WHERE id = $1", job_id)
+    return job_id
+
+
 async def building(h: Harness, job_id: uuid.UUID, timeout: float = 20.0) -> uuid.UUID:
     """Wait until the export is Running and its build is writing the local file, which the build opens only once
     its stop watcher is listening. Returns the attempt ID."""

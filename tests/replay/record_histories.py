@@ -24,7 +24,7 @@ from tests.helpers.crash import (
     start_worker,
     wait_lease_expired,
 )
-from tests.helpers.harness import Harness, building, held_at, open_harness, unknown_original
+from tests.helpers.harness import Harness, building, held_at, open_harness, stranded_in_queued, unknown_original
 from tests.helpers.support import eventually
 from tests.replay.history_files import save
 from worker import running_worker
@@ -131,13 +131,7 @@ async def test_export_requeued_by_recovery_and_recovery_run(db, store, client, t
 
 async def test_sweeper_swept_one(harness: Harness):
     h = harness
-    # A queued job whose only wake-up was lost (its outbox row published, no workflow got it), and old.
-    job_id = uuid.uuid4()
-    await h.store.create_job(job_id=job_id, tenant_id=h.tenant_id, destination_id=h.destination_id,
-                             delivery_key=job_id.hex, created_by="tests")
-    await h.db.admin.execute("UPDATE outbox SET published_at = clock_timestamp() WHERE job_id = $1", job_id)
-    await h.db.admin.execute("UPDATE export_jobs SET woken_at = clock_timestamp() - interval '31 minutes' "
-                             "WHERE id = $1", job_id)
+    job_id = await stranded_in_queued(h)
     sweep_id = f"sweep-{uuid.uuid4().hex[:8]}"
     swept = await asyncio.wait_for(h.client.execute_workflow(
         "SweeperWorkflow", SweepInput(threshold_seconds=1800, batch=10), id=sweep_id,

@@ -48,6 +48,7 @@ from store.models import (
     JobRow,
     Status,
 )
+from store.outbox import Outbox
 from store.reconciliation import Reconciliation
 from tests.helpers.events import events, kinds, stop_latency
 from tests.helpers.harness import Harness, building, open_harness, run_recovery
@@ -388,7 +389,7 @@ async def test_correction__before_a_queued_replacement_runs_ends_it_original_del
     await correct_to_completed(h, original, attempt_id)
     engine = make_engine(db.url("dispatcher"))
     try:
-        dispatcher = OutboxDispatcher(h.client, engine, asyncpg_dsn(db.url("dispatcher")),
+        dispatcher = OutboxDispatcher(h.client, Outbox(engine), asyncpg_dsn(db.url("dispatcher")),
                                       task_queue=h.settings.task_queue, poll_seconds=0.2)
         # The original's creation row, the correction's wake-up of the original, and the replacement's.
         assert await dispatcher.dispatch_once() == 3
@@ -413,7 +414,7 @@ async def test_correction__during_the_replacements_build_ends_it_original_delive
     original, attempt_id, replacement = await failed_original_with_replacement(h)
     engine = make_engine(db.url("dispatcher"))
     try:
-        dispatcher = OutboxDispatcher(h.client, engine, asyncpg_dsn(db.url("dispatcher")),
+        dispatcher = OutboxDispatcher(h.client, Outbox(engine), asyncpg_dsn(db.url("dispatcher")),
                                       task_queue=h.settings.task_queue, poll_seconds=0.2)
         assert await dispatcher.dispatch_once() == 2
     finally:

@@ -19,6 +19,7 @@ from starter.localstack.postgres import ROLES
 from store.db import asyncpg_dsn, make_engine
 from store.jobs import JobStore
 from store.models import CancellationOutcome, ClaimResult, Status
+from store.outbox import Outbox
 from store.statements import SQL_DIR, statement
 from tests.helpers.events import events, kinds
 from tests.helpers.faults import fault_proxy
@@ -173,7 +174,7 @@ async def test_dispatcher__publishes_every_row_and_retries_with_its_message_id(q
             await super().publish(message_id, job_id)
             published.append(message_id)
 
-    dispatcher = FlakyDispatcher(harness.client, engine, asyncpg_dsn(db.url("dispatcher")),
+    dispatcher = FlakyDispatcher(harness.client, Outbox(engine), asyncpg_dsn(db.url("dispatcher")),
                                  task_queue=harness.settings.task_queue, poll_seconds=0.2)
     try:
         job_id = await harness.store_create()
@@ -254,7 +255,7 @@ async def test_dispatcher__one_row_published_twice_wakes_the_workflow_once(quiet
         dispatcher_url = proxy.url(ROLES["dispatcher"], db.name)
         engine = make_engine(dispatcher_url)
         stack.push_async_callback(engine.dispose)
-        dispatcher = OutboxDispatcher(harness.client, engine, asyncpg_dsn(dispatcher_url),
+        dispatcher = OutboxDispatcher(harness.client, Outbox(engine), asyncpg_dsn(dispatcher_url),
                                       task_queue=harness.settings.task_queue, poll_seconds=0.2)
         try:
             # A real duplicate: Temporal takes the signal-with-start, then the dispatcher's connection is lost

@@ -24,6 +24,7 @@ from starter.localstack.ports import free_port
 from starter.localstack.temporal import LocalTemporal
 from store.db import asyncpg_dsn, make_engine
 from store.models import Status
+from store.outbox import Outbox
 from tests.helpers.crash import crash_world, processes, start_worker
 from tests.helpers.events import events
 from tests.helpers.faults import fault_proxy
@@ -171,7 +172,7 @@ async def test_the_dispatcher_holds_no_row_lock_while_temporal_does_not_answer(d
     engine = make_engine(db.url("dispatcher"))
     async with silent_temporal() as (address, accepted):
         temporal = await Client.connect(address, lazy=True, data_converter=pydantic_data_converter)
-        dispatcher = OutboxDispatcher(temporal, engine, asyncpg_dsn(db.url("dispatcher")),
+        dispatcher = OutboxDispatcher(temporal, Outbox(engine), asyncpg_dsn(db.url("dispatcher")),
                                       task_queue="exports-ou4", poll_seconds=0.2)
         try:
             dispatching = asyncio.create_task(dispatcher.dispatch_once())

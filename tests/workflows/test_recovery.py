@@ -12,7 +12,7 @@ from temporalio.api.enums.v1 import EventType
 from starter.schedules import PARTNER_SWEEP_SCHEDULE, RECOVERY_SCHEDULE, SWEEPER_SCHEDULE, install_schedules
 from store.models import Status
 from tests.helpers.crash import lease_expired
-from tests.helpers.harness import Harness, WorkerProcess, held_at, open_harness, run_recovery
+from tests.helpers.harness import Harness, WorkerProcess, held_at, open_harness, run_recovery, stranded_in_queued
 from tests.helpers.support import eventually
 from workflows.identity import export_workflow_id
 
@@ -93,13 +93,7 @@ async def test_sweeper_workflow__republishes_a_job_whose_wake_up_was_lost_and_it
     from activities.contracts import SweepInput
 
     h = harness
-    # A queued job whose only wake-up was lost: its outbox row was marked published, but no workflow got it.
-    job_id = uuid.uuid4()
-    await h.store.create_job(job_id=job_id, tenant_id=h.tenant_id, destination_id=h.destination_id,
-                             delivery_key=job_id.hex, created_by="tests")
-    await h.db.admin.execute("UPDATE outbox SET published_at = clock_timestamp() WHERE job_id = $1", job_id)
-    await h.db.admin.execute("UPDATE export_jobs SET woken_at = clock_timestamp() - interval '31 minutes' "
-                             "WHERE id = $1", job_id)
+    job_id = await stranded_in_queued(h)
     swept = await h.client.execute_workflow(
         "SweeperWorkflow", SweepInput(threshold_seconds=1800, batch=10), id=f"sweep-{uuid.uuid4().hex[:8]}",
         task_queue=h.settings.task_queue, result_type=int)
