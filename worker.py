@@ -196,6 +196,7 @@ async def main() -> None:
             # An upload ignores its cancellation, so the SDK's shutdown could wait for it: bound the exit.
             loop.call_later(settings.shutdown_grace_seconds + 5, _exit_past_the_bound)
     await observing.close()
+    tracing.flush()
     log.info("worker stopped")
 
 

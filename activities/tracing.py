@@ -58,6 +58,17 @@ def configure(settings: Settings) -> bool:
     return True
 
 
+def flush() -> None:
+    """Export the spans still batched, and stop the exporter: the worker ends its process without the
+    interpreter's teardown (starter.temporal.exit_now), so the tracer's own at-exit shutdown never runs."""
+    from opentelemetry import trace
+
+    provider = trace.get_tracer_provider()
+    shutdown = getattr(provider, "shutdown", None)  # the API's default provider has none: nothing was traced
+    if shutdown is not None:
+        shutdown()
+
+
 def traced(client: Client, settings: Settings) -> Client:
     """The same connection, with the tracing interceptor when tracing is on; the workers built on it inherit the
     interceptor, so activities and workflows are traced too."""

@@ -4,6 +4,8 @@ start of the workflow, the workflow and each of its activities."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
 from contextlib import AsyncExitStack
 
 import pytest
@@ -14,7 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from activities import tracing
 from store.models import Status
-from tests.helpers.harness import open_harness
+from tests.helpers.harness import WorkerProcess, open_harness
 from workflows.identity import export_workflow_id
 
 # The global provider can be set once per process: the tests here share it and clear its spans.
@@ -61,3 +63,23 @@ def test_tracing_is_off_unless_configured(db, client):
     assert settings.tracing == "off"
     assert tracing.configure(settings) is False
     assert tracing.traced(client, settings) is client
+
+
+async def test_a_worker_process_exports_its_last_spans_before_it_exits(db, store, client, tmp_path, monkeypatch):
+    """The worker ends its process without the interpreter's teardown (starter.temporal.exit_now), so the tracer's
+    own at-exit flush never runs: the worker flushes it on its way out. The batch's delay is set past the test, so
+    a span of the export is printed only by that flush."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")
+    async with AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path, in_process_worker=False)
+        worker = await WorkerProcess(h.settings, tracing="console", http_port=0).start()
+        try:
+            job_id = await h.create()
+            assert (await h.settled(job_id)).status is Status.COMPLETED
+            worker.process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(worker.process.wait(), timeout=60) == 0
+        finally:
+            worker.kill()
+            await asyncio.wait_for(worker.process.wait(), timeout=15)
+        printed = worker.log_path.read_text(errors="replace")
+    assert '"name": "RunActivity:deliver"' in printed, printed[-3000:]
