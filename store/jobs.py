@@ -215,6 +215,13 @@ class JobStore(RoleStore):
         row = written.row
         if row is not None and row["status"] == Status.RUNNING and row["attempt_id"] == attempt_id:
             return ClaimResult.CLAIMED
+        if (written.uncertain and row is not None and row["status"] == Status.QUEUED
+                and row["version"] == checked_version):
+            # The row is as this claim checked it: nobody else took or changed it. Lost would settle the wake-up
+            # with the job still Queued, waiting for one that may never come; unconfirmed, it is read again soon.
+            # Should the lost statement still commit after this read, its attempt holds a lease that nobody
+            # renews, and recovery takes it over: the job still runs once.
+            return ClaimResult.UNKNOWN
         return ClaimResult.LOST
 
     async def start_build(self, job_id: UUID, attempt_id: UUID, holder: str, detail: str) -> bool:

@@ -197,6 +197,36 @@ async def test_terminal_write_lost_before_the_server__recovery_resolution_is_not
     assert kinds(await events(db, job_id)) == ["Claimed", "DeliveryAuthorized", "ResolvedByRecovery"]
 
 
+async def test_claim_cut_before_the_server_and_reread_finds_the_row_untouched__unconfirmed_not_lost(
+        db, store, proxy, faulty, caplog):
+    """The claim never reached the server and the re-read answers: the row is Queued at the version the claim
+    checked, so no one else took or changed it. Lost would leave the job to the next wake-up, which may never come
+    (its wake-up was this one); Unknown has the workflow read the row again shortly, and a claim by a new attempt
+    runs the job once."""
+    job_id = await queued_job(db, store)
+    await warm(faulty, proxy, job_id)
+    cut = proxy.cut_before(CLAIM)
+    assert await bounded(faulty.claim(job_id, 1, uuid.uuid4(), "worker-a")) is ClaimResult.UNKNOWN
+    assert cut.is_set() and uncertain_logged(caplog)
+    row = await job_row(db, job_id)
+    assert (row["status"], row["attempt_id"], row["attempt_count"]) == ("Queued", None, 0)
+    again = uuid.uuid4()
+    assert await bounded(faulty.claim(job_id, 1, again, "worker-b")) is ClaimResult.CLAIMED
+    assert await kinds_and_attempts(db, job_id) == [("Claimed", again)]
+
+
+async def test_claim_cut_before_the_server_after_an_edit__lost(db, store, proxy, faulty):
+    """The re-read finds the row changed since the version the claim checked (an edit): Lost, as a claim that
+    answered 0 rows; the edit's own wake-up brings the job back."""
+    job_id = await queued_job(db, store)
+    await warm(faulty, proxy, job_id)
+    await db.admin.execute("UPDATE export_jobs SET version = version + 1 WHERE id = $1", job_id)
+    cut = proxy.cut_before(CLAIM)
+    assert await bounded(faulty.claim(job_id, 1, uuid.uuid4(), "worker-a")) is ClaimResult.LOST
+    assert cut.is_set()
+    assert await kinds_and_attempts(db, job_id) == []
+
+
 # --- the re-read fails too: Unknown, and the row says what really happened -----------------------------------------
 
 
