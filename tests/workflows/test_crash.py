@@ -346,6 +346,28 @@ async def test_claim_lost_before_commit_and_reread_refused__wakeup_comes_again_a
     assert len(named(runs, "build")) == 1 and len(named(runs, "deliver")) == 1
 
 
+async def test_claim_lost_before_commit_and_reread_finds_it_untouched__read_again_at_once_and_runs_once(
+        crash_harness, proxy, db):
+    """The claim never reached the server; the re-read answers: Queued, at the version the claim checked. The
+    wake-up that started this attempt is spent, so a Lost here would leave the job Queued until the workflow's
+    idle re-check (5 minutes) or the sweeper; Unknown reads the row again in seconds."""
+    h = crash_harness
+    cut = proxy.cut_before(CLAIM)
+    async with processes(h) as started:
+        await start_worker(started, h, database_url=proxy.url("exports_app", db.name))
+        job_id = await h.create()
+        first = await claim_answered(h, job_id)
+        assert cut.is_set()
+        assert first.result is ClaimResult.UNKNOWN
+        row = await h.settled(job_id)  # within the harness's bound, far below the idle re-check
+
+    assert row.status is Status.COMPLETED and row.attempt_count == 1
+    assert outbound_names(h.partner) == [row.final_name]
+    runs = await activity_runs(h, job_id)
+    assert [c.result for c in claims(runs)] == [ClaimResult.UNKNOWN, ClaimResult.CLAIMED]
+    assert len(named(runs, "build")) == 1 and len(named(runs, "deliver")) == 1
+
+
 @pytest.mark.spec("LR4")
 async def test_claim_lost_after_commit_and_reread_refused__wakeup_finds_running_recovery_takes_over(
         crash_harness, proxy, db):
