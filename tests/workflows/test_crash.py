@@ -318,6 +318,15 @@ async def claim_answered(h: Harness, job_id: uuid.UUID) -> ClaimOutput:
     return first.result.claim
 
 
+async def assert_run_once_after_an_unknown_claim(h, job_id, row) -> None:
+    """Completed by one attempt: the claim that answered Unknown, then one that claimed, one build, one delivery."""
+    assert row.status is Status.COMPLETED and row.attempt_count == 1
+    assert outbound_names(h.partner) == [row.final_name]
+    runs = await activity_runs(h, job_id)
+    assert [c.result for c in claims(runs)] == [ClaimResult.UNKNOWN, ClaimResult.CLAIMED]
+    assert len(named(runs, "build")) == 1 and len(named(runs, "deliver")) == 1
+
+
 @pytest.mark.spec("LR3")
 async def test_claim_lost_before_commit_and_reread_refused__wakeup_comes_again_and_runs_once(
         crash_harness, proxy, db):
@@ -336,14 +345,10 @@ async def test_claim_lost_before_commit_and_reread_refused__wakeup_comes_again_a
         proxy.accept_new_connections()
         row = await h.settled(job_id)
 
-    assert row.status is Status.COMPLETED and row.attempt_count == 1
     evts = await events(h.db, job_id)
     assert [e["kind"] for e in evts if e["kind"] in ("Claimed", "Finished")] == ["Claimed", "Finished"]
     assert {e["attempt_id"] for e in evts} == {row.attempt_id}
-    assert outbound_names(h.partner) == [row.final_name]
-    runs = await activity_runs(h, job_id)
-    assert [c.result for c in claims(runs)] == [ClaimResult.UNKNOWN, ClaimResult.CLAIMED]
-    assert len(named(runs, "build")) == 1 and len(named(runs, "deliver")) == 1
+    await assert_run_once_after_an_unknown_claim(h, job_id, row)
 
 
 async def test_claim_lost_before_commit_and_reread_finds_it_untouched__read_again_at_once_and_runs_once(
@@ -361,11 +366,7 @@ async def test_claim_lost_before_commit_and_reread_finds_it_untouched__read_agai
         assert first.result is ClaimResult.UNKNOWN
         row = await h.settled(job_id)  # within the harness's bound, far below the idle re-check
 
-    assert row.status is Status.COMPLETED and row.attempt_count == 1
-    assert outbound_names(h.partner) == [row.final_name]
-    runs = await activity_runs(h, job_id)
-    assert [c.result for c in claims(runs)] == [ClaimResult.UNKNOWN, ClaimResult.CLAIMED]
-    assert len(named(runs, "build")) == 1 and len(named(runs, "deliver")) == 1
+    await assert_run_once_after_an_unknown_claim(h, job_id, row)
 
 
 @pytest.mark.spec("LR4")
