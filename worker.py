@@ -76,7 +76,8 @@ async def running_worker(
     own_queue = f"{settings.task_queue}-{worker_id}"
     activities = ExportActivities(store, settings, worker_id=worker_id, worker_task_queue=own_queue)
     activities.checkpoints = checkpoints_for(settings.hold_at, Path(settings.work_dir))
-    recovery = RecoveryActivities(store, Recovery(engine, max_attempts=settings.max_attempts), client=client)
+    recovery = RecoveryActivities(
+        store, Recovery(engine, max_attempts=settings.max_attempts, on_ended=metrics.ended), client=client)
     # Cancellation reaches an activity only with a heartbeat the SDK sends: keep them frequent (FACTS.md).
     throttle = timedelta(seconds=settings.heartbeat_throttle_seconds)
     common = dict(

@@ -52,22 +52,19 @@ def install_sdk_runtime(settings: Settings) -> str | None:
     # The runtime also carries the SDK core's own logging (JSON lines too, when the worker's logs are JSON).
     logging_config = sdk_core_logging(settings)
     port = settings.sdk_metrics_port
-    if port == 0 and settings.http_port == 0:
-        # No HTTP port to serve them through, and none of their own asked for.
-        Runtime.set_default(Runtime(telemetry=TelemetryConfig(logging=logging_config)))
-        return None
-    if port == 0:
-        port = free_loopback_port(settings.sdk_metrics_bind_address)
-    address = f"{settings.sdk_metrics_bind_address}:{port}"
-    try:
-        Runtime.set_default(Runtime(telemetry=TelemetryConfig(logging=logging_config,
-                                                              metrics=PrometheusConfig(bind_address=address))))
-    except Exception as exc:  # noqa: BLE001 - the worker runs without the SDK's metrics rather than not at all
-        log.warning("the Temporal SDK's metrics are not served (%s): %s: %s", address, type(exc).__name__, exc)
-        Runtime.set_default(Runtime(telemetry=TelemetryConfig(logging=logging_config)))
-        return None
-    log.info("the Temporal SDK's metrics at http://%s/metrics", address)
-    return address
+    # With no HTTP port to serve them through, and no port of their own asked for, the SDK's metrics stay off.
+    if port != 0 or settings.http_port != 0:
+        address = f"{settings.sdk_metrics_bind_address}:{port or free_loopback_port(settings.sdk_metrics_bind_address)}"
+        try:
+            Runtime.set_default(Runtime(telemetry=TelemetryConfig(logging=logging_config,
+                                                                  metrics=PrometheusConfig(bind_address=address))))
+        except Exception as exc:  # noqa: BLE001 - the worker runs without the SDK's metrics rather than not at all
+            log.warning("the Temporal SDK's metrics are not served (%s): %s: %s", address, type(exc).__name__, exc)
+        else:
+            log.info("the Temporal SDK's metrics at http://%s/metrics", address)
+            return address
+    Runtime.set_default(Runtime(telemetry=TelemetryConfig(logging=logging_config)))
+    return None
 
 
 class Polls(Protocol):

@@ -1,10 +1,11 @@
 """The worker's own metrics, in Prometheus format (prometheus_client), served with the SDK's at /metrics.
 
 Counters and histograms are bumped in memory where the event happens (one call, no I/O): nothing here may slow
-an export. The three gauges that only PostgreSQL knows (the outbox backlog, the age of its oldest unpublished
-row, the OutcomeUnknown count) are read by one background task every `metrics_refresh_seconds`, as the
-application role (it may SELECT outbox and export_jobs), never at scrape time and never per export. A read that
-fails is logged and counted, the gauges keep their last values, and the worker goes on.
+an export. The gauges that only PostgreSQL knows (the outbox backlog, the age of its oldest unpublished row,
+the exports in each state, OutcomeUnknown among them) are read by one background task every
+`metrics_refresh_seconds`, as the application role (it may SELECT outbox and export_jobs), never at scrape time
+and never per export. A read that fails is logged and counted, the gauges keep their last values, and the worker
+goes on.
 
 Labels stay bounded: a status, a kind, a failure class, a destination ID; never a job or an attempt ID.
 """
@@ -62,20 +63,13 @@ STORE_READ_AT = Gauge("exports_metrics_store_read_timestamp_seconds", "When the 
 
 
 def ended(status: Any) -> None:
-    """A settled state recorded: the store's `on_ended` in the worker, and recovery's own resolutions."""
+    """A settled state recorded: the worker's store classes' `on_ended` (JobStore, Recovery)."""
     ENDED.labels(status=str(status)).inc()
 
 
-# Kinds of recovery's takeovers that end the attempt, and the state they write (store/recovery.py).
-_TAKEOVER_ENDS = {"StoppedByRecovery": "Stopped", "AttemptsExhausted": "Failed"}
-
-
 def takeover(kind: str | None) -> None:
-    if kind is None:
-        return
-    TAKEOVERS.labels(kind=kind).inc()
-    if kind in _TAKEOVER_ENDS:
-        ended(_TAKEOVER_ENDS[kind])
+    if kind is not None:
+        TAKEOVERS.labels(kind=kind).inc()
 
 
 def swept(kind: str, count: int) -> int:

@@ -82,8 +82,6 @@ class RecoveryActivities:
             "resolution": resolution.value, "summary": summary})
         changed = await self.recovery.resolve(row.id, row.attempt_id, resolution, summary, run_id,
                                               confirmed_by=confirmed_by)
-        if changed:
-            metrics.ended(resolution)
         return (RESOLVED if changed else None), summary
 
     async def _look(self, row: JobRow, config: DestinationConfig | None) -> FinalLook | None:

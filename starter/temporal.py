@@ -177,20 +177,16 @@ async def connect_temporal(settings: Settings, *, timeout: float | None = None,
     answered within it is `Unreachable`; without one, the SDK's own errors and retries stand. Settings that
     describe no usable connection are `NotConfigured` either way, before any attempt."""
     target = temporal_target(settings, environ)
-    connecting = Client.connect(**target.config, data_converter=pydantic_data_converter)
-    if timeout is None:
-        try:
-            return await connecting
-        except ValueError as exc:  # a malformed address, found when the SDK parses it
-            raise NotConfigured("Temporal", target.address_setting, target.address, short_reason(exc)) from None
-
     try:
-        return await asyncio.wait_for(connecting, timeout)
+        return await asyncio.wait_for(Client.connect(**target.config, data_converter=pydantic_data_converter),
+                                      timeout)
     except TimeoutError:
         raise Unreachable("Temporal", target.setting, target.address, f"no answer within {timeout:g} s") from None
     except ValueError as exc:  # a malformed address, found when the SDK parses it
         raise NotConfigured("Temporal", target.address_setting, target.address, short_reason(exc)) from None
     except (RuntimeError, RPCError) as exc:  # the SDK's connection errors
+        if timeout is None:
+            raise
         raise Unreachable("Temporal", target.setting, target.address, _reason(exc, target)) from None
 
 

@@ -13,7 +13,7 @@ from uuid import UUID
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from store import cancellation, errors, terms
+from store import cancellation, errors
 from store.models import (
     AuthorizationResult,
     BuiltFile,
@@ -24,7 +24,7 @@ from store.models import (
     Status,
 )
 from store.schema import cancellation_requests, destinations, export_attempt_events, export_jobs
-from store.statements import Reread, RoleStore
+from store.statements import Reread, RoleStore, fetch_one
 
 log = logging.getLogger(__name__)
 
@@ -155,18 +155,41 @@ class JobStore(RoleStore):
         replacement_reason: str,
         overwrite_agreement_ref: str | None = None,
     ) -> UUID:
-        """A new job carrying the original's delivery key (store/terms.py says how); the original's ID."""
-        return await terms.replace(
-            self.db, tenant_id=tenant_id, original_job_id=original_job_id, job_id=job_id, created_by=created_by,
-            replacement_reason=replacement_reason, overwrite_agreement_ref=overwrite_agreement_ref,
-        )
+        """A new job carrying the original's delivery key; the original itself never runs again.
+
+        A request naming a replacement resolves to the original it replaced. Raises NotReplaceable when the statement
+        inserts nothing, and ReplacementSlotTaken when another replacement holds the original's slot. Returns the
+        original's ID.
+        """
+        async with self.db.transaction() as conn:
+            named = await fetch_one(conn, "resolve_original", tenant_id=tenant_id, job_id=original_job_id)
+            if named is None:
+                raise errors.NotReplaceable(f"export {original_job_id} not found for this tenant")
+            original = named["original_job_id"]
+            written = await self.db.write(
+                "create_replacement",
+                conn=conn,
+                tenant_id=tenant_id,
+                original_job_id=original,
+                job_id=job_id,
+                created_by=created_by,
+                replacement_reason=replacement_reason,
+                overwrite_agreement_ref=overwrite_agreement_ref,
+            )
+        if not written.changed:
+            raise errors.NotReplaceable(
+                f"export {original} may not be replaced: only an OutcomeUnknown original, or one that Failed with "
+                "BuildFailed, AttemptsExhausted or NotDelivered, may be"
+            )
+        return original
 
     async def edit_terms(
         self, *, tenant_id: UUID, job_id: UUID, expected_version: int, destination_id: UUID
     ) -> bool:
         """Change a queued export's destination. False when it started, ended, or was edited since it was read."""
-        return await terms.edit(self.db, tenant_id=tenant_id, job_id=job_id, expected_version=expected_version,
-                                destination_id=destination_id)
+        written = await self.db.write("edit_terms", tenant_id=tenant_id, job_id=job_id,
+                                      expected_version=expected_version, destination_id=destination_id)
+        return written.changed
 
     # --- creation and policy -----------------------------------------------------------------------------------
 

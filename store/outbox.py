@@ -19,7 +19,7 @@ from store.statements import RoleStore, statement
 log = logging.getLogger(__name__)
 
 # One key for every dispatcher of this database (pg_try_advisory_lock's bigint): "exports outbox".
-_LOCK_KEY = 0x6578706F727473
+LOCK_KEY = 0x6578706F727473
 _TRY_LOCK = text("SELECT pg_try_advisory_lock(:key)")
 _UNLOCK = text("SELECT pg_advisory_unlock(:key)")
 
@@ -54,7 +54,7 @@ class Outbox(RoleStore):
     async def dispatch_pass(self) -> AsyncIterator[OutboxPass | None]:
         """One pass on one session holding the outbox lock; None when another dispatcher holds it."""
         async with self.db.connection() as conn:
-            locked = await conn.scalar(_TRY_LOCK, {"key": _LOCK_KEY})
+            locked = await conn.scalar(_TRY_LOCK, {"key": LOCK_KEY})
             await conn.commit()
             if not locked:
                 yield None
@@ -71,7 +71,7 @@ async def _unlock(conn: AsyncConnection) -> None:
         return  # the session is gone, and its lock with it
     try:
         await conn.rollback()
-        await conn.scalar(_UNLOCK, {"key": _LOCK_KEY})
+        await conn.scalar(_UNLOCK, {"key": LOCK_KEY})
         await conn.commit()
     except Exception as exc:
         log.debug("could not release the outbox lock, dropping its session: %s", exc)

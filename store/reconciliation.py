@@ -67,7 +67,3 @@ class Reconciliation(RoleStore):
             why=why,
         )
         return written.changed
-
-
-# Kept for the callers that still pass an engine (tests outside the store's own); Reconciliation is the way in.
-

@@ -8,6 +8,7 @@ scan makes the takeover match nothing, and a late cutoff 2 and a requeue cannot 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from uuid import UUID
 
@@ -44,11 +45,14 @@ class Recovery(RoleStore):
     """The scheduled backstops: recovery's takeovers and the sweeper. They run as the application role
     (EXPORTS_DATABASE_URL), on the worker's engine."""
 
-    def __init__(self, engine: AsyncEngine, *, max_attempts: int) -> None:
+    def __init__(self, engine: AsyncEngine, *, max_attempts: int,
+                 on_ended: Callable[[Status], None] = lambda status: None) -> None:
+        """`on_ended` hears every settled state a takeover wrote, as JobStore's does for the attempts' own."""
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         super().__init__(engine)
         self.max_attempts = max_attempts
+        self.on_ended = on_ended
 
     async def nominate(self, limit: int) -> list[Candidate]:
         """Running and Delivering attempts whose lease has expired, oldest lease first."""
@@ -68,13 +72,13 @@ class Recovery(RoleStore):
         """Running -> Queued with RequeuedByRecovery and a new outbox row. The statement's row count is the
         outbox insert's, which is one exactly when the update and its event happened."""
         return await self._takeover(
-            "recovery_requeue", job_id=job_id, expired_attempt_id=attempt_id, max_attempts=self.max_attempts
+            "recovery_requeue", None, job_id=job_id, expired_attempt_id=attempt_id, max_attempts=self.max_attempts
         )
 
     async def stop(self, job_id: UUID, attempt_id: UUID, recovery_run_id: str | UUID) -> bool:
         """Running with a recorded stop request -> Stopped, with StoppedByRecovery."""
         return await self._takeover(
-            "recovery_stop",
+            "recovery_stop", Status.STOPPED,
             job_id=job_id,
             expired_attempt_id=attempt_id,
             recovery_run_id=str(recovery_run_id),
@@ -83,7 +87,7 @@ class Recovery(RoleStore):
     async def exhaust(self, job_id: UUID, attempt_id: UUID, recovery_run_id: str | UUID) -> bool:
         """Running at the attempt cap -> Failed/AttemptsExhausted, with its event."""
         return await self._takeover(
-            "recovery_exhausted",
+            "recovery_exhausted", Status.FAILED,
             job_id=job_id,
             expired_attempt_id=attempt_id,
             max_attempts=self.max_attempts,
@@ -108,7 +112,7 @@ class Recovery(RoleStore):
             raise ValueError(f"recovery resolves only to Completed or OutcomeUnknown, not {resolution}")
         check_confirmation(resolution, confirmed_by)
         return await self._takeover(
-            "recovery_resolve",
+            "recovery_resolve", resolution,
             job_id=job_id,
             expired_attempt_id=attempt_id,
             resolution=resolution.value,
@@ -150,11 +154,14 @@ class Recovery(RoleStore):
         )
         return kind
 
-    async def _takeover(self, name: str, **params: object) -> bool:
+    async def _takeover(self, name: str, settles: Status | None, **params: object) -> bool:
+        """One takeover statement; `settles` is the state it writes when that state ends the export."""
         changed = (await self.db.write(name, **params)).count
         if changed > 1:
             # Impossible: each statement names one job by its primary key.
             raise RuntimeError(f"{name} changed {changed} rows")
+        if changed == 1 and settles is not None:
+            self.on_ended(settles)
         return changed == 1
 
     # --- the sweeper -------------------------------------------------------------------------------------------

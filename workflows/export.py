@@ -8,6 +8,7 @@ own state, and returns the row's state once it needs no attempt.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -42,17 +43,14 @@ with workflow.unsafe.imports_passed_through():
     from activities.error_types import EXPORT_NOT_CREATED, EXPORT_NOT_FOUND, INVALID_EXPORT_INPUT
     from activities.exports import ExportActivities
     from store.models import AuthorizationResult, CancellationOutcome, ClaimResult, JobRow, Status
-
-import builtins
-
-from workflows.identity import (
-    DELIVERY_KEY,
-    EXPORT_ATTEMPTS,
-    EXPORT_CONFIRMED_BY,
-    EXPORT_STATUS,
-    EXPORT_TENANT,
-    export_workflow_id,
-)
+    from workflows.identity import (
+        DELIVERY_KEY,
+        EXPORT_ATTEMPTS,
+        EXPORT_CONFIRMED_BY,
+        EXPORT_STATUS,
+        EXPORT_TENANT,
+        export_workflow_id,
+    )
 
 # Short steps on the shared queue: each is a conditional statement, safe to retry, but never without bound (about
 # four minutes of retries ride out a database restart); a definite refusal is not retried at all (the worker's

@@ -18,6 +18,7 @@ from activities.exports import ExportActivities
 from starter.client import ExportsClient
 from starter.localstack import processes
 from starter.localstack.partner import LocalPartner
+from store import outbox
 from store.jobs import JobStore
 from store.models import JobRow, Status
 from store.settings import Settings, as_env
@@ -91,11 +92,16 @@ async def set_contract(h: Harness, **columns: object) -> None:
 
 async def stranded_in_queued(h: Harness) -> uuid.UUID:
     """A queued job whose only wake-up was lost (its outbox row marked published, no workflow got it), last woken
-    31 minutes ago: past the sweeper's default threshold (30 minutes)."""
+    31 minutes ago: past the sweeper's default threshold (30 minutes). The outbox's lock is held meanwhile, so
+    that a harness's running dispatcher cannot publish the creation's wake-up first."""
     job_id = uuid.uuid4()
-    await h.store.create_job(job_id=job_id, tenant_id=h.tenant_id, destination_id=h.destination_id,
-                             delivery_key=job_id.hex, created_by="tests")
-    await h.db.admin.execute("UPDATE outbox SET published_at = clock_timestamp() WHERE job_id = $1", job_id)
+    await h.db.admin.execute("SELECT pg_advisory_lock($1)", outbox.LOCK_KEY)
+    try:
+        await h.store.create_job(job_id=job_id, tenant_id=h.tenant_id, destination_id=h.destination_id,
+                                 delivery_key=job_id.hex, created_by="tests")
+        await h.db.admin.execute("UPDATE outbox SET published_at = clock_timestamp() WHERE job_id = $1", job_id)
+    finally:
+        await h.db.admin.execute("SELECT pg_advisory_unlock($1)", outbox.LOCK_KEY)
     await h.db.admin.execute("UPDATE export_jobs SET woken_at = clock_timestamp() - interval '31 minutes' "
                              "WHERE id = $1", job_id)
     return job_id

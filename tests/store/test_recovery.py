@@ -26,8 +26,14 @@ WAIT = 5.0  # every wait in this module is bounded by this many seconds
 
 
 @pytest.fixture
-def recovery(app_engine: AsyncEngine) -> Recovery:
-    return Recovery(app_engine, max_attempts=3)
+def ended() -> list[Status]:
+    """The settled states the recovery fixture's takeovers wrote, as the worker's metrics hear them."""
+    return []
+
+
+@pytest.fixture
+def recovery(app_engine: AsyncEngine, ended: list[Status]) -> Recovery:
+    return Recovery(app_engine, max_attempts=3, on_ended=ended.append)
 
 
 async def running(store: JobStore, tenant: tuple[uuid.UUID, uuid.UUID]) -> tuple[JobRow, uuid.UUID]:
@@ -305,7 +311,7 @@ async def test_expired_lease_is_refused_at_cutoff_2_until_it_renews(db, store, t
 
 
 @pytest.mark.spec("RI7")
-async def test_expired_attempt_with_a_stop_request_ends_stopped(db, store, recovery, tenant):
+async def test_expired_attempt_with_a_stop_request_ends_stopped(db, store, recovery, tenant, ended):
     job, attempt_id = await running(store, tenant)
     stop = await store.request_cancellation(
         tenant_id=tenant[0], job_id=job.id, request_id=uuid.uuid4(), requested_by="operator@example", reason="t")
@@ -329,10 +335,11 @@ async def test_expired_attempt_with_a_stop_request_ends_stopped(db, store, recov
     assert kinds(await events(db, job.id)) == ["Claimed", "StoppedByRecovery"]
     assert len(await outbox(db, job.id)) == 1
     assert await recovery.take_over_running(candidate, RUN) is None  # once only
+    assert ended == [Status.STOPPED]
 
 
 @pytest.mark.spec("RI8")
-async def test_expired_attempt_at_the_cap_ends_failed_attempts_exhausted(db, store, recovery, tenant):
+async def test_expired_attempt_at_the_cap_ends_failed_attempts_exhausted(db, store, recovery, tenant, ended):
     job_id = await create_job(store, *tenant)
     attempts = []
     for number in (1, 2, 3):
@@ -359,6 +366,7 @@ async def test_expired_attempt_at_the_cap_ends_failed_attempts_exhausted(db, sto
     assert tuple(event) == (attempts[-1], RUN)
     assert len(await outbox(db, job_id)) == 3  # creation and two requeues; none for the failure
     assert await recovery.nominate(limit=10) == []
+    assert ended == [Status.FAILED]  # a requeue ends nothing
 
 
 @pytest.mark.spec("RI10")
@@ -392,7 +400,8 @@ async def test_late_receipt_after_recovery_is_kept_and_changes_nothing(db, store
     assert job.final_name in evidence["detail"]
 
 
-async def test_resolve_to_completed_records_its_evidence_and_refuses_other_states(db, store, recovery, tenant):
+async def test_resolve_to_completed_records_its_evidence_and_refuses_other_states(
+        db, store, recovery, tenant, ended):
     job, attempt_id = await running(store, tenant)
     assert await store.authorize_delivery(job, attempt_id, built(job)) is AuthorizationResult.AUTHORIZED
     await expire(db, job.id)
@@ -406,3 +415,4 @@ async def test_resolve_to_completed_records_its_evidence_and_refuses_other_state
         "SELECT detail FROM export_attempt_events WHERE job_id = $1 AND kind = 'ResolvedByRecovery'", job.id
     ) == "Completed: listing matches"
     assert not await recovery.resolve(job.id, attempt_id, Status.COMPLETED, "again", RUN, confirmed_by="size")
+    assert ended == [Status.COMPLETED]

@@ -381,20 +381,25 @@ async def assert_original_delivered(h: Harness, original: uuid.UUID, replacement
     assert not list(Path(h.settings.work_dir).glob("*.csv*")), "the unauthorized file was not removed"
 
 
+async def publish_once(h: Harness, db) -> int:
+    """One pass of an outbox dispatcher under the dispatcher role, as a worker runs it; how many rows it published."""
+    engine = make_engine(db.url("dispatcher"))
+    try:
+        dispatcher = OutboxDispatcher(h.client, Outbox(engine), asyncpg_dsn(db.url("dispatcher")),
+                                      task_queue=h.settings.task_queue, poll_seconds=0.2)
+        return await dispatcher.dispatch_once()
+    finally:
+        await engine.dispose()
+
+
 @pytest.mark.spec("CO1")
 async def test_correction__before_a_queued_replacement_runs_ends_it_original_delivered(quiet_harness: Harness, db):
     h = quiet_harness  # no dispatcher: the replacement stays queued until this test publishes it
     original, attempt_id, replacement = await failed_original_with_replacement(h)
     assert (await h.store.read_job(replacement)).status is Status.QUEUED
     await correct_to_completed(h, original, attempt_id)
-    engine = make_engine(db.url("dispatcher"))
-    try:
-        dispatcher = OutboxDispatcher(h.client, Outbox(engine), asyncpg_dsn(db.url("dispatcher")),
-                                      task_queue=h.settings.task_queue, poll_seconds=0.2)
-        # The original's creation row, the correction's wake-up of the original, and the replacement's.
-        assert await dispatcher.dispatch_once() == 3
-    finally:
-        await engine.dispose()
+    # The original's creation row, the correction's wake-up of the original, and the replacement's.
+    assert await publish_once(h, db) == 3
     await assert_original_delivered(h, original, replacement)
 
 
@@ -412,13 +417,7 @@ async def test_correction__during_the_replacements_build_ends_it_original_delive
         quiet_slow_build_harness: Harness, db):
     h = quiet_slow_build_harness
     original, attempt_id, replacement = await failed_original_with_replacement(h)
-    engine = make_engine(db.url("dispatcher"))
-    try:
-        dispatcher = OutboxDispatcher(h.client, Outbox(engine), asyncpg_dsn(db.url("dispatcher")),
-                                      task_queue=h.settings.task_queue, poll_seconds=0.2)
-        assert await dispatcher.dispatch_once() == 2
-    finally:
-        await engine.dispose()
+    assert await publish_once(h, db) == 2
     await building(h, replacement)
     await correct_to_completed(h, original, attempt_id)
     assert (await h.store.read_job(replacement)).status is Status.RUNNING, "the correction came after the build"

@@ -199,13 +199,18 @@ async def test_long_build_keeps_renewing_and_heartbeating_and_delivers_once(db, 
         assert len(scheduled) >= 5 and all(c["result"] is True for c in scheduled)
         assert recovery_report is not None
         assert [t for t in recovery_report.taken_over if t.job_id == job_id] == []
-        # Delivered exactly once, by the one attempt.
-        assert row.status is Status.COMPLETED and row.attempt_count == 1 and row.attempt_id == attempt_id
-        assert kinds(found).count("DeliveryAuthorized") == 1 and kinds(found).count("Finished") == 1
-        assert not {"RequeuedByRecovery", "ResolvedByRecovery"} & set(kinds(found))
+        assert_delivered_once_by(h, row, attempt_id, found)
         assert [name for name, _ in await history(h, job_id)].count("deliver") == 1
         assert [name for name, _ in await history(h, job_id)].count("build") == 1  # never resumed elsewhere
-        assert_partner_holds(h.partner, row, only=True)
+
+
+def assert_delivered_once_by(h, row, attempt_id, found) -> None:
+    """Completed by this one attempt: authorized and finished once, never taken over, its file alone at the
+    partner."""
+    assert row.status is Status.COMPLETED and row.attempt_count == 1 and row.attempt_id == attempt_id
+    assert kinds(found).count("DeliveryAuthorized") == 1 and kinds(found).count("Finished") == 1
+    assert not {"RequeuedByRecovery", "ResolvedByRecovery"} & set(kinds(found))
+    assert_partner_holds(h.partner, row, only=True)
 
 
 @pytest.mark.spec("LB2")
@@ -234,11 +239,7 @@ async def test_attempt_paused_past_its_lease_is_refused_at_cutoff_2_renews_and_d
         late = renewals.calls[renewals_before:]
         assert late and late[0]["result"] is True and not late[0]["task"].startswith("lease-")
         assert cutoffs.calls[0]["end"] <= late[0]["start"] and late[0]["end"] <= cutoffs.calls[1]["start"]
-        found = await events(db, job_id)
-        assert kinds(found).count("DeliveryAuthorized") == 1 and kinds(found).count("Finished") == 1
-        assert not {"RequeuedByRecovery", "ResolvedByRecovery"} & set(kinds(found))
-        assert row.status is Status.COMPLETED and row.attempt_count == 1 and row.attempt_id == attempt_id
-        assert_partner_holds(h.partner, row, only=True)
+        assert_delivered_once_by(h, row, attempt_id, await events(db, job_id))
 
 
 @pytest.mark.spec("LB3")
