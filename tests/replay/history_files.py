@@ -15,10 +15,10 @@ from temporalio.client import WorkflowHistory
 HISTORIES = Path(__file__).parent / "histories"
 
 
-def save(case: str, history: WorkflowHistory) -> Path:
-    """Write one case's history, replacing an earlier recording of the same case."""
-    HISTORIES.mkdir(exist_ok=True)
-    path = HISTORIES / f"{case}.json"
+def save(folder: str, case: str, history: WorkflowHistory) -> Path:
+    """Write one case's history into the folder of the code that recorded it (histories/<folder>/<case>.json)."""
+    (HISTORIES / folder).mkdir(parents=True, exist_ok=True)
+    path = HISTORIES / folder / f"{case}.json"
     path.write_text(json.dumps(history.to_json_dict(), indent=1) + "\n")
     return path
 

@@ -1,0 +1,164 @@
+"""Earlier releases, run from their own code: what the upgrade tests and the release recorder start.
+
+CHANGELOG.md lists the releases, newest first. Each is a commit of this repository: the `Commit:` line of its
+entry, else the tag `v<version>`, else the newest commit whose pyproject.toml carries that version (a clone without
+tags still finds it). Its code is checked out as a git worktree and run with this checkout's virtualenv: every
+command runs with the worktree as its working directory, so the release's own modules come first on the path,
+before the editable install of this checkout. That holds while a release's dependencies are a subset of today's,
+which `release_code` checks.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from starter.localstack import processes
+from store.settings import Settings, as_env
+from tests.helpers.support import Ran, run_command
+
+ROOT = Path(__file__).resolve().parents[2]
+CHANGELOG = ROOT / "CHANGELOG.md"
+_ENTRY = re.compile(r"^## (?P<version>\d+\.\d+\.\d+)\b(?P<body>.*?)(?=^## |\Z)", re.M | re.S)
+_COMMIT = re.compile(r"^Commit: `?(?P<commit>[0-9a-f]{7,40})`?", re.M)
+
+
+@dataclass(frozen=True)
+class Release:
+    version: str
+    commit: str  # the full hash
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _version_of(pyproject: str) -> str:
+    return tomllib.loads(pyproject)["project"]["version"]
+
+
+def current_version() -> str:
+    return _version_of((ROOT / "pyproject.toml").read_text())
+
+
+def _release_commit(version: str, named: str | None) -> str:
+    for ref in ([named] if named else []) + [f"v{version}"]:
+        try:
+            return _git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+        except subprocess.CalledProcessError:
+            if ref == named:
+                raise LookupError(f"release {version}: commit {named} is not in this clone (a shallow clone? "
+                                  "`git fetch --unshallow`)") from None
+    # No tag: the newest commit of this history whose pyproject.toml names the version.
+    for commit in _git("log", "--format=%H", "--", "pyproject.toml").splitlines():
+        if _version_of(_git("show", f"{commit}:pyproject.toml")) == version:
+            newer = _git("log", "--format=%H", f"{commit}..HEAD", "--", "pyproject.toml").splitlines()
+            # The release is the last commit before the version moved on (or HEAD, if it never did).
+            return _git("rev-parse", f"{newer[-1]}^") if newer else _git("rev-parse", "HEAD")
+    raise LookupError(f"release {version}: no commit of this history carries it (a shallow clone? "
+                      "`git fetch --unshallow`)")
+
+
+def _entries() -> list[tuple[str, str | None]]:
+    """(version, the commit its `Commit:` line names, if any) of every CHANGELOG.md entry, newest first."""
+    return [(entry["version"], (named := _COMMIT.search(entry["body"])) and named["commit"])
+            for entry in _ENTRY.finditer(CHANGELOG.read_text())]
+
+
+def is_released(version: str) -> bool:
+    """Whether CHANGELOG.md dates the version's entry (an entry headed `(unreleased)` is still being made)."""
+    for entry in _ENTRY.finditer(CHANGELOG.read_text()):
+        if entry["version"] == version:
+            return "(unreleased)" not in entry.group(0).splitlines()[0]
+    return False
+
+
+def releases() -> list[Release]:
+    """Every release CHANGELOG.md names before the code of this checkout, newest first."""
+    current = current_version()
+    return [Release(version, _release_commit(version, named)) for version, named in _entries() if version != current]
+
+
+def previous_release() -> Release:
+    """The newest release before the code of this checkout."""
+    current = current_version()
+    for version, named in _entries():
+        if version != current:
+            return Release(version, _release_commit(version, named))
+    raise LookupError("CHANGELOG.md names no release before this one")
+
+
+# Run first in every process of a release: this checkout's editable install resolves a package's submodules by name
+# (a module the release lacks would come from here, silently), so only the release's tree and the site packages
+# may answer an import.
+_OWN_CODE_ONLY = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'Editable' not in "
+                  "getattr(f, '__name__', type(f).__name__)]; ")
+
+
+@dataclass
+class ReleaseCode:
+    """A release's code in a worktree of its own, and how to run its commands and its worker."""
+
+    release: Release
+    tree: Path
+
+    def env(self, settings: Settings) -> dict[str, str]:
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("EXPORTS_")}
+        return {**inherited, **as_env(settings)}
+
+    async def command(self, *args: str, settings: Settings, bound: float = 60) -> Ran:
+        """The release's own `exports` command line (its console script would import this checkout's)."""
+        ran = await run_command(sys.executable, "-c", _OWN_CODE_ONLY + "from starter.cli import main; main()", *args,
+                                env=self.env(settings), cwd=self.tree, bound=bound)
+        if ran.code == -6 and ran.stdout.strip():
+            # 0.1.0's commands could abort in the interpreter's teardown after their answer was printed (the SDK's
+            # threads at exit, temporalio/sdk-python#300; fixed in 0.2.0 by exiting without it): the answer stands.
+            ran.code = 0
+        return ran
+
+    async def python(self, code: str, *, settings: Settings, bound: float = 60) -> Ran:
+        return await run_command(sys.executable, "-c", _OWN_CODE_ONLY + code, env=self.env(settings), cwd=self.tree,
+                                 bound=bound)
+
+    async def spawn_worker(self, settings: Settings, log_path: Path):
+        start = _OWN_CODE_ONLY + "import runpy; runpy.run_module('worker', run_name='__main__', alter_sys=True)"
+        return await processes.spawn(sys.executable, "-c", start, log_path=log_path, env=self.env(settings),
+                                     cwd=str(self.tree))
+
+
+def _dependencies(pyproject: str) -> set[str]:
+    names = tomllib.loads(pyproject)["project"]["dependencies"]
+    return {re.split(r"[<>=!~\[; ]", name, maxsplit=1)[0].lower() for name in names}
+
+
+@contextmanager
+def release_code(release: Release) -> Iterator[ReleaseCode]:
+    """The release checked out in a temporary git worktree, removed on the way out."""
+    released = _dependencies(_git("show", f"{release.commit}:pyproject.toml"))
+    today = _dependencies((ROOT / "pyproject.toml").read_text())
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    today |= {re.split(r"[<>=!~\[; ]", n, maxsplit=1)[0].lower() for names in optional.values() for n in names}
+    missing = released - today
+    assert not missing, f"release {release.version} needs {sorted(missing)}, which this virtualenv lacks"
+    _git("worktree", "prune")
+    tree = Path(tempfile.mkdtemp(prefix=f"exports-{release.version}-")) / "tree"
+    _git("worktree", "add", "--detach", str(tree), release.commit)
+    try:
+        yield ReleaseCode(release, tree)
+    finally:
+        _git("worktree", "remove", "--force", str(tree))
+        shutil.rmtree(tree.parent, ignore_errors=True)
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
