@@ -43,6 +43,13 @@ class BuildActivities(ExportActivitiesBase):
         job, attempt_id = request.job, request.attempt_id
         if activity.is_worker_shutdown():
             return BuildOutput(ended="HandedBack")  # taken as this worker began to shut down: touch nothing
+        if job.final_name is None:
+            # A row that a run of 0.1.0 read, before the name was a column: the name is the row's (no role may
+            # change it), and never one this worker would derive.
+            stored = await self.store.read_job(job.id)
+            if stored is None:
+                return BuildOutput(ended="LostOwnership")
+            job = job.model_copy(update={"final_name": stored.final_name})
         late = self._started_late()
         if late is not None:
             # A task handed to this worker while it was paused (a poll it had open): Temporal already timed it out

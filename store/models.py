@@ -106,8 +106,9 @@ class JobRow(BaseModel):
     confirmed_by: str | None = None
     # Why policy refused it (Rejected only).
     rejection_reason: str | None = None
-    # The partner-facing name, written at creation (with the tenant in it) and copied by replacements.
-    final_name: str
+    # The partner-facing name, written at creation (with the tenant in it) and copied by replacements. None only in a
+    # row that a run of 0.1.0 recorded, before the column existed: the build then reads the row's own.
+    final_name: str | None = None
 
 
 class CancellationResult(BaseModel):

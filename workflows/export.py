@@ -60,7 +60,8 @@ _SHORT: dict[str, Any] = {
     "retry_policy": RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30),
                                 maximum_attempts=10),
 }
-# Without a wake-up, the workflow still looks at the row this often.
+# Without a wake-up, the workflow still looks at the row this often (EXPORTS_IDLE_RECHECK_SECONDS, as the last
+# claim step reported it; this until one has).
 _IDLE_RECHECK = timedelta(minutes=5)
 _UNCONFIRMED_CLAIM_RETRY = timedelta(seconds=5)
 # A build whose worker is lost resumes elsewhere this many times, each only while its lease renewal matches.
@@ -69,8 +70,11 @@ _BUILD_RESUMPTIONS = 3
 _ROW_FROM_DELIVERY = "row-from-delivery"
 # Runs that started before a late wake-up was read again replay their return as recorded.
 _WAKE_AFTER_SETTLED = "wake-after-settled"
-# Runs that started before policy and the claim became one step replay them as two.
+# Runs that started before policy and the claim became one step (0.1.0's) replay them as two, and show only the
+# states they read from the row, as 0.1.0 did (no Running at the claim, no Delivering at cutoff 2).
 _POLICY_AND_CLAIM = "policy-and-claim"
+# Runs whose cancellation found the row locked before Busy requests were asked again (0.1.0's) replay no retry.
+_BUSY_RETRY = "busy-cancel-retry"
 _STOP_OUTCOMES = (CancellationOutcome.STOP_REQUESTED, CancellationOutcome.STOP_ALREADY_REQUESTED)
 # A cancellation that found its row locked (Busy) is asked again this many times, this far apart.
 _BUSY_RETRIES = 5
@@ -98,6 +102,7 @@ class ExportWorkflow:
         self._cancel_in_flight_later = 0
         self._why: str = ""
         self._delivered_row: JobRow | None = None  # the row the delivery's terminal write left, read back at once
+        self._idle_recheck = _IDLE_RECHECK
 
     @workflow.signal
     def wake(self, wake: Wake) -> None:
@@ -212,12 +217,13 @@ class ExportWorkflow:
             await self._wait_for_wake()
             return None
         claim = admission.claim
+        self._idle_recheck = timedelta(seconds=admission.idle_recheck_seconds)
         # A claimed row is shown as Running at once: its Queued would be one more search attribute update.
         row = self._observe(admission.evaluation.row,
                             show=claim is None or claim.result is not ClaimResult.CLAIMED)
         if row.status.is_settled:
             return row
-        if claim is not None and await self._claimed(row, attempt_id, claim, admission.attempt):
+        if claim is not None and await self._claimed(row, attempt_id, claim, admission.attempt, show_steps=True):
             return None
         # Another attempt holds the row, or the claim is unconfirmed: the next wake-up, or a timer, re-reads.
         await self._wait_for_wake()
@@ -243,7 +249,7 @@ class ExportWorkflow:
 
     async def _wait_for_wake(self) -> None:
         try:
-            await workflow.wait_condition(lambda: self._woken, timeout=_IDLE_RECHECK)
+            await workflow.wait_condition(lambda: self._woken, timeout=self._idle_recheck)
         except builtins.TimeoutError:
             pass
 
@@ -313,11 +319,13 @@ class ExportWorkflow:
         except ActivityError as err:
             workflow.logger.warning("claim of %s failed: %s; the row decides", row.id, _cause(err))
             claim = ClaimOutput(result=ClaimResult.UNKNOWN, worker_task_queue="", lease_seconds=0)
-        return await self._claimed(row, attempt_id, claim, row.attempt_count + 1)
+        # 0.1.0's runs (before the policy-and-claim patch) showed no step's state: their commands have no upsert here.
+        return await self._claimed(row, attempt_id, claim, row.attempt_count + 1, show_steps=False)
 
-    async def _claimed(self, row: JobRow, attempt_id: uuid.UUID, claim: ClaimOutput, attempt_number: int) -> bool:
+    async def _claimed(self, row: JobRow, attempt_id: uuid.UUID, claim: ClaimOutput, attempt_number: int, *,
+                       show_steps: bool) -> bool:
         """The attempt after its claim answered: to its terminal write if claimed. True when the row should be
-        re-read at once."""
+        re-read at once. With `show_steps`, the claim's Running and cutoff 2's Delivering are shown at once."""
         if claim.result is ClaimResult.UNKNOWN:
             # Like an unsettled message: it comes back later, and the row decides then.
             await workflow.sleep(_UNCONFIRMED_CLAIM_RETRY)
@@ -327,7 +335,8 @@ class ExportWorkflow:
             # edit writes one), which may already have arrived.
             return False
 
-        self._show(Status.RUNNING, attempt_number)
+        if show_steps:
+            self._show(Status.RUNNING, attempt_number)
         lease = timedelta(seconds=claim.lease_seconds)
         attempt = AttemptInput(job=row, attempt_id=attempt_id)
         built = await self._build_file(attempt, claim.worker_task_queue, lease)
@@ -355,7 +364,8 @@ class ExportWorkflow:
             return True  # cutoff 2 may or may not have committed: the row says which side the attempt is on
         if authorized.result is not AuthorizationResult.AUTHORIZED:
             return True
-        self._show(Status.DELIVERING, attempt_number)
+        if show_steps:
+            self._show(Status.DELIVERING, attempt_number)
         try:
             delivered: DeliverOutput = await workflow.execute_activity_method(
                 ExportActivities.deliver,
@@ -474,7 +484,7 @@ class ExportWorkflow:
             reason = f": \"{request.reason}\"" if request.reason else ""
             self._asked.append(f"cancel by {request.requested_by}{reason} → {recorded.result.outcome.value}")
             self._describe()
-            if recorded.result.outcome is CancellationOutcome.BUSY:
+            if recorded.result.outcome is CancellationOutcome.BUSY and workflow.patched(_BUSY_RETRY):
                 # The row was locked longer than lock_timeout: nothing recorded. Ask again with the same request
                 # ID (its answer, if an earlier try committed after all, is the one recorded), a few times.
                 self._busy[request.request_id] = tries = self._busy.get(request.request_id, 0) + 1
