@@ -126,6 +126,8 @@ class Admission(BaseModel):
     evaluation: Evaluation
     claim: ClaimOutput | None = None
     attempt: int = 0  # the claimed attempt's number
+    # How long the run waits for a wake-up before it reads the row again anyway (the worker's setting).
+    idle_recheck_seconds: float = 300.0
 
 
 class AttemptInput(BaseModel):

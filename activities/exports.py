@@ -93,11 +93,12 @@ class ExportActivities(BuildActivities, DeliveryActivities):
         row = evaluation.row
         if row is not None and row.status is Status.RUNNING and row.attempt_id == request.attempt_id:
             return Admission(evaluation=evaluation, claim=self._claim_output(ClaimResult.CLAIMED),
-                             attempt=row.attempt_count)
+                             attempt=row.attempt_count, idle_recheck_seconds=self.settings.idle_recheck_seconds)
         if row is None or not evaluation.allowed:
-            return Admission(evaluation=evaluation)
+            return Admission(evaluation=evaluation, idle_recheck_seconds=self.settings.idle_recheck_seconds)
         claim = await self._claim(row.id, row.version, request.attempt_id)
-        return Admission(evaluation=evaluation, claim=claim, attempt=row.attempt_count + 1)
+        return Admission(evaluation=evaluation, claim=claim, attempt=row.attempt_count + 1,
+                         idle_recheck_seconds=self.settings.idle_recheck_seconds)
 
     async def _evaluate(self, job_id: UUID) -> Evaluation:
         """Reads and decides; its only write is the conditional rejection, so a repeated wake-up is harmless."""

@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     sweeper_interval_seconds: float = Field(60.0, ge=1)
     sweeper_batch: int = Field(500, ge=1)
     recovery_interval_seconds: float = Field(30.0, ge=1)
+    # An export's run that waits for a wake-up reads its row again after this long anyway (a lost wake-up costs
+    # at most this); it reaches the run through the claim step's recorded result.
+    idle_recheck_seconds: float = Field(300.0, ge=1)
     recovery_batch: int = Field(100, ge=1)
     # How often each partner's temporary directory is swept of our temporary files older than its contract allows.
     partner_sweep_interval_seconds: float = Field(3600.0, ge=1)

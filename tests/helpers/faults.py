@@ -19,6 +19,8 @@ log = logging.getLogger(__name__)
 
 # Untyped requests a client may send before its startup packet; the proxy answers them itself ("not supported"),
 # so the server only ever sees the plain startup packet and its replies are typed messages from the first byte.
+# The claim statement (store/sql/claim.sql), as a cut finds it on the wire.
+CLAIM_STATEMENT = "WITH claimed AS"
 SSL_REQUEST = 80877103
 GSSENC_REQUEST = 80877104
 

@@ -1,9 +1,10 @@
-"""Records the histories that test_replay.py replays. Run it with `make histories`.
+"""Records this release's histories, which test_replay.py replays from then on. Run it with `make histories`.
 
 `make test` does not collect this module (pytest collects test_*.py files only); named on the command line, it
 runs each case against the real components, the way the suite's own tests produce that outcome, checks that the
-run ended as the case says, and writes the run's history to histories/<case>.json, replacing the file of that
-name. docs/changing-workflows.md says when to record again, and which files to keep first.
+run ended as the case says, and writes the run's history to histories/<version>/<case>.json, the version being
+pyproject.toml's. A version that CHANGELOG.md dates is released: its folder is never written again, by this code
+or later code (docs/changing-workflows.md). Earlier releases' folders stay as their own code recorded them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import asyncio
 import uuid
 from contextlib import AsyncExitStack
 
+import pytest
 from temporalio.client import Client
+from temporalio.service import RPCError
 
 from activities.contracts import PartnerSweepOutput, RecoveryInput, RecoveryReport, SweepInput
 from store.models import CancellationOutcome, Status
@@ -24,15 +27,27 @@ from tests.helpers.crash import (
     start_worker,
     wait_lease_expired,
 )
+from tests.helpers.faults import CLAIM_STATEMENT, fault_proxy
 from tests.helpers.harness import Harness, building, held_at, open_harness, stranded_in_queued, unknown_original
+from tests.helpers.releases import current_version, is_released
+from tests.helpers.standins import woken_while_recording_a_cancel
 from tests.helpers.support import eventually
 from tests.replay.history_files import save
 from worker import running_worker
 from workflows.identity import export_workflow_id
 
+VERSION = current_version()
+
+
+@pytest.fixture(autouse=True)
+def unreleased() -> None:
+    if is_released(VERSION):
+        pytest.fail(f"{VERSION} is released (CHANGELOG.md dates it): its histories are kept as recorded. Set the "
+                    "next version in pyproject.toml, with an (unreleased) entry in CHANGELOG.md, first")
+
 
 async def record(client: Client, workflow_id: str, case: str) -> None:
-    save(case, await client.get_workflow_handle(workflow_id).fetch_history())
+    save(VERSION, case, await client.get_workflow_handle(workflow_id).fetch_history())
 
 
 async def record_export(h: Harness, job_id: uuid.UUID, case: str) -> None:
@@ -148,3 +163,106 @@ async def test_partner_sweep(harness: Harness):
         result_type=list[PartnerSweepOutput]), timeout=30)
     assert [s.destination_id for s in swept] == [harness.destination_id]
     await record(harness.client, sweep_id, "partner_sweep_one_destination")
+
+
+# --- the branches and timers that the cases above do not walk (UP5) ----------------------------------------------
+
+
+async def test_export_claim_unknown_then_claimed(db, store, client, tmp_path):
+    """The claim's statement never reaches the server and the re-read finds the row untouched: Unknown, the
+    5-second timer, and a claim on the next read."""
+    async with fault_proxy(db.server) as proxy, crash_world(db, store, client, tmp_path) as h, \
+            processes(h) as started:
+        cut = proxy.cut_before(CLAIM_STATEMENT)
+        await start_worker(started, h, database_url=proxy.url("exports_app", db.name))
+        job_id = await h.create()
+        row = await h.settled(job_id)
+        assert cut.is_set() and (row.status, row.attempt_count) == (Status.COMPLETED, 1)
+        await record_export(h, job_id, "export_claim_unknown_then_claimed")
+
+
+async def test_export_idle_recheck(db, store, client, tmp_path):
+    """A run finds its row held by another attempt and waits for a wake-up that never comes: its idle re-check
+    fires, reads the row again, and claims it once the other attempt has let it go."""
+    async with AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path, in_process_worker=False,
+                               idle_recheck_seconds=2.0)
+        job_id = await h.create()
+        # Another attempt holds the row (written as the owner, who is exempt from the event rules).
+        await h.db.admin.execute(
+            "UPDATE export_jobs SET status = 'Running', attempt_id = $2, attempt_count = 1, version = version + 1, "
+            "claimed_by = 'elsewhere', lease_expires_at = clock_timestamp() + interval '1 hour' WHERE id = $1",
+            job_id, uuid.uuid4())
+        async with running_worker(h.settings, h.client):
+            handle = h.client.get_workflow_handle(export_workflow_id(job_id))
+
+            async def events() -> list:
+                try:
+                    return (await handle.fetch_history()).events
+                except RPCError:  # not started yet: the dispatcher publishes the wake-up first
+                    return []
+
+            await eventually(events, lambda evs: any(e.HasField("timer_fired_event_attributes") for e in evs),
+                             timeout=30, interval=0.2, what="the idle re-check fired")
+            # Let go without a wake-up, as an attempt requeued by hand would be.
+            await h.db.admin.execute(
+                "UPDATE export_jobs SET status = 'Queued', attempt_id = NULL, claimed_by = NULL, "
+                "lease_expires_at = NULL, version = version + 1 WHERE id = $1", job_id)
+            row = await h.settled(job_id)
+        assert (row.status, row.attempt_count) == (Status.COMPLETED, 2)
+        await record_export(h, job_id, "export_idle_recheck")
+
+
+async def test_export_busy_cancel_retried(slow_build_harness: Harness):
+    """A raw cancel that finds the row locked answers Busy, is asked again after its timer, and stops the build."""
+    h = slow_build_harness
+    job_id = await h.create()
+    await building(h, job_id)
+    locker = await h.db.connect("owner")
+    try:
+        await locker.execute("BEGIN")
+        await locker.execute("SELECT 1 FROM export_jobs WHERE id = $1 FOR UPDATE", job_id)
+        await h.client.get_workflow_handle(export_workflow_id(job_id)).signal("cancel", {
+            "request_id": str(uuid.uuid4()), "tenant": str(h.tenant_id), "operator": "ann@example.com"})
+        handle = h.client.get_workflow_handle(export_workflow_id(job_id))
+        await eventually(lambda: handle.fetch_history(),
+                         lambda history: any(e.HasField("timer_started_event_attributes") for e in history.events),
+                         timeout=30, interval=0.1, what="the Busy answer's retry timer")
+    finally:
+        await locker.execute("ROLLBACK")
+        await locker.close()
+    assert (await h.settled(job_id)).status is Status.STOPPED
+    await record_export(h, job_id, "export_busy_cancel_retried")
+
+
+async def test_export_woken_during_delivery(slow_upload_harness: Harness):
+    h = slow_upload_harness
+    job_id = await h.create()
+    await eventually(lambda: h.store.read_job(job_id), lambda r: r.status is Status.DELIVERING, timeout=30,
+                     what="delivering")
+    await h.client.get_workflow_handle(export_workflow_id(job_id)).signal("wake", {"message_id": str(uuid.uuid4())})
+    assert (await h.settled(job_id)).status is Status.COMPLETED
+    await record_export(h, job_id, "export_woken_during_delivery")
+
+
+async def test_export_too_late_cancel_during_delivery(slow_upload_harness: Harness):
+    h = slow_upload_harness
+    job_id = await h.create()
+    await eventually(lambda: h.store.read_job(job_id), lambda r: r.status is Status.DELIVERING, timeout=30,
+                     what="delivering")
+    # Raw, as from the UI: the run records it itself and learns TooLate while the upload runs.
+    handle = h.client.get_workflow_handle(export_workflow_id(job_id))
+    await handle.signal("cancel", {"request_id": str(uuid.uuid4()), "tenant": str(h.tenant_id),
+                                   "operator": "ann@example.com", "reason": "too late"})
+    assert (await h.settled(job_id)).status is Status.COMPLETED
+    assert await h.db.admin.fetchval("SELECT outcome FROM cancellation_requests WHERE job_id = $1",
+                                     job_id) == CancellationOutcome.TOO_LATE.value
+    await record_export(h, job_id, "export_too_late_cancel_during_delivery")
+
+
+async def test_export_woken_while_recording_a_cancel(client: Client):
+    """The wake-after-settled branch: the run has read its row settled and records a cancellation when a
+    correction's wake-up arrives; it reads the row again before it returns. Its steps are stand-ins."""
+    handle, result, _ = await woken_while_recording_a_cancel(client)
+    assert result.status is Status.COMPLETED
+    save(VERSION, "export_woken_while_recording_a_cancel", await handle.fetch_history())

@@ -22,12 +22,11 @@ from store.db import make_engine
 from store.jobs import JobStore
 from store.models import AuthorizationResult, BuiltFile, ClaimResult, FailureCode, JobRow, Status
 from tests.helpers.events import events, kinds
-from tests.helpers.faults import PgFaultProxy, fault_proxy
+from tests.helpers.faults import CLAIM_STATEMENT, PgFaultProxy, fault_proxy
 from tests.helpers.support import create_job, eventually, seed_tenant
 
 T = TypeVar("T")
 
-CLAIM = "WITH claimed AS"
 CUTOFF_2 = "authorized AS ("
 BOUND = 15.0  # seconds; every store call here finishes far sooner or the test fails
 
@@ -104,7 +103,7 @@ def uncertain_logged(caplog: pytest.LogCaptureFixture) -> bool:
 async def test_claim_response_lost_after_commit__reread_finds_it_claimed(db, store, proxy, faulty, caplog):
     job_id = await queued_job(db, store)
     await warm(faulty, proxy, job_id)
-    cut = proxy.cut_after_commit(CLAIM)
+    cut = proxy.cut_after_commit(CLAIM_STATEMENT)
     attempt_id = uuid.uuid4()
     with caplog.at_level(logging.WARNING, logger="store"):
         result = await bounded(faulty.claim(job_id, 1, attempt_id, "worker-a"))
@@ -205,7 +204,7 @@ async def test_claim_cut_before_the_server_and_reread_finds_the_row_untouched__u
     runs the job once."""
     job_id = await queued_job(db, store)
     await warm(faulty, proxy, job_id)
-    cut = proxy.cut_before(CLAIM)
+    cut = proxy.cut_before(CLAIM_STATEMENT)
     assert await bounded(faulty.claim(job_id, 1, uuid.uuid4(), "worker-a")) is ClaimResult.UNKNOWN
     assert cut.is_set() and uncertain_logged(caplog)
     row = await job_row(db, job_id)
@@ -221,7 +220,7 @@ async def test_claim_cut_before_the_server_after_an_edit__lost(db, store, proxy,
     job_id = await queued_job(db, store)
     await warm(faulty, proxy, job_id)
     await db.admin.execute("UPDATE export_jobs SET version = version + 1 WHERE id = $1", job_id)
-    cut = proxy.cut_before(CLAIM)
+    cut = proxy.cut_before(CLAIM_STATEMENT)
     assert await bounded(faulty.claim(job_id, 1, uuid.uuid4(), "worker-a")) is ClaimResult.LOST
     assert cut.is_set()
     assert await kinds_and_attempts(db, job_id) == []
@@ -235,7 +234,7 @@ async def test_claim_cut_before_commit_and_reread_refused__unknown_and_still_que
     job_id = await queued_job(db, store)
     await warm(faulty, proxy, job_id)
     proxy.refuse_new_connections()
-    cut = proxy.cut_before(CLAIM)
+    cut = proxy.cut_before(CLAIM_STATEMENT)
     assert await bounded(faulty.claim(job_id, 1, uuid.uuid4(), "worker-a")) is ClaimResult.UNKNOWN
     assert cut.is_set() and proxy.refused >= 1
     row = await job_row(db, job_id)
@@ -253,7 +252,7 @@ async def test_claim_cut_after_commit_and_reread_refused__unknown_and_running(db
     job_id = await queued_job(db, store)
     await warm(faulty, proxy, job_id)
     proxy.refuse_new_connections()
-    cut = proxy.cut_after_commit(CLAIM)
+    cut = proxy.cut_after_commit(CLAIM_STATEMENT)
     attempt_id = uuid.uuid4()
     assert await bounded(faulty.claim(job_id, 1, attempt_id, "worker-a")) is ClaimResult.UNKNOWN
     assert cut.is_set() and proxy.refused >= 1

@@ -25,8 +25,6 @@ from activities.contracts import (
     AuthorizeInput,
     AuthorizeOutput,
     BuildOutput,
-    CancelOutput,
-    CancelRequest,
     ClaimOutput,
     DeliverInput,
     DeliverOutput,
@@ -42,7 +40,6 @@ from store.models import (
     AuthorizationResult,
     BuiltFile,
     CancellationOutcome,
-    CancellationResult,
     ClaimResult,
     FailureCode,
     JobRow,
@@ -53,6 +50,7 @@ from store.reconciliation import Reconciliation
 from tests.helpers.events import events, kinds, stop_latency
 from tests.helpers.harness import Harness, building, open_harness, run_recovery
 from tests.helpers.partner import assert_partner_holds, outbound_names, temp_names
+from tests.helpers.standins import woken_while_recording_a_cancel
 from tests.helpers.store_states import drive
 from tests.helpers.support import eventually
 from workflows.export import ExportWorkflow
@@ -434,49 +432,7 @@ async def test_a_wake_up_while_the_last_cancellation_is_recorded_is_read_before_
     settled, was still recording a cancellation. Both outbox wake-ups reached that run, which returned the old
     state, so the latest run and its ExportStatus disagreed with the row for good. Here with the workflow's own
     steps replaced by stand-ins the test controls: the run must read the row again before it returns."""
-    job_id, tenant_id = uuid.uuid4(), uuid.uuid4()
-    now = datetime.now(UTC)
-    states = {"status": Status.FAILED}
-    first_read, recording = asyncio.Event(), asyncio.Event()
-    reads: list[Status] = []
-
-    def row() -> JobRow:
-        failed = states["status"] is Status.FAILED
-        return JobRow(id=job_id, tenant_id=tenant_id, status=states["status"], version=1,
-                      destination_id=uuid.uuid4(), woken_at=now, delivery_key="k", created_by="tests",
-                      final_name=f"contacts-{tenant_id}-k.csv",
-                      failure_reason=FailureCode.NOT_DELIVERED if failed else None,
-                      confirmed_by=None if failed else "correction")
-
-    @activity.defn(name="claim_if_allowed")
-    async def claim_if_allowed(_: AdmitInput) -> Admission:
-        if not reads:
-            await asyncio.wait_for(first_read.wait(), 30)  # held until the cancellation is in flight
-        reads.append(states["status"])
-        return Admission(evaluation=Evaluation(row=row()))
-
-    @activity.defn(name="record_cancellation")
-    async def record_cancellation(request: CancelRequest) -> CancelOutput:
-        await asyncio.wait_for(recording.wait(), 30)  # held while the row settles and is corrected
-        return CancelOutput(result=CancellationResult(request_id=request.request_id, job_id=job_id,
-                                                      outcome=CancellationOutcome.ALREADY_ENDED,
-                                                      found_status=states["status"]))
-
-    queue = f"late-wake-{uuid.uuid4().hex[:8]}"
-    async with Worker(client, task_queue=queue, workflows=[ExportWorkflow],
-                      activities=[claim_if_allowed, record_cancellation]):
-        handle = await client.start_workflow(ExportWorkflow.run, ExportInput(job_id=job_id),
-                                             id=export_workflow_id(job_id),
-                                             task_queue=queue)
-        await handle.signal("cancel", {"request_id": str(uuid.uuid4()), "tenant": str(tenant_id),
-                                       "operator": "ann@example.com"})
-        first_read.set()  # the run reads Failed, settled, and waits for the cancellation it is recording
-        await eventually(lambda: asyncio.sleep(0, list(reads)), lambda r: r == [Status.FAILED], timeout=10,
-                         what="the first read")
-        states["status"] = Status.COMPLETED  # a correction, whose outbox row wakes the run
-        await handle.signal("wake", Wake(message_id=uuid.uuid4()))
-        recording.set()
-        result = await asyncio.wait_for(handle.result(), 30)
+    _, result, reads = await woken_while_recording_a_cancel(client)
     assert result.status is Status.COMPLETED, (result, reads)
 
 

@@ -39,14 +39,11 @@ from tests.helpers.crash import (
     wait_lease_expired,
 )
 from tests.helpers.events import events, kinds
-from tests.helpers.faults import PgFaultProxy, fault_proxy
+from tests.helpers.faults import CLAIM_STATEMENT, PgFaultProxy, fault_proxy
 from tests.helpers.harness import Harness, held_at, run_recovery
 from tests.helpers.partner import outbound_names
 from tests.helpers.support import eventually
 from workflows.identity import export_workflow_id
-
-CLAIM = "WITH claimed AS"
-
 
 # --- reading the workflow's history ------------------------------------------------------------------------------
 
@@ -331,7 +328,7 @@ async def assert_run_once_after_an_unknown_claim(h, job_id, row) -> None:
 async def test_claim_lost_before_commit_and_reread_refused__wakeup_comes_again_and_runs_once(
         crash_harness, proxy, db):
     h = crash_harness
-    cut = cut_then_refuse(proxy, proxy.cut_before(CLAIM))
+    cut = cut_then_refuse(proxy, proxy.cut_before(CLAIM_STATEMENT))
     async with processes(h) as started:
         await start_worker(started, h, database_url=proxy.url("exports_app", db.name))
         job_id = await h.create()
@@ -357,7 +354,7 @@ async def test_claim_lost_before_commit_and_reread_finds_it_untouched__read_agai
     wake-up that started this attempt is spent, so a Lost here would leave the job Queued until the workflow's
     idle re-check (5 minutes) or the sweeper; Unknown reads the row again in seconds."""
     h = crash_harness
-    cut = proxy.cut_before(CLAIM)
+    cut = proxy.cut_before(CLAIM_STATEMENT)
     async with processes(h) as started:
         await start_worker(started, h, database_url=proxy.url("exports_app", db.name))
         job_id = await h.create()
@@ -373,7 +370,7 @@ async def test_claim_lost_before_commit_and_reread_finds_it_untouched__read_agai
 async def test_claim_lost_after_commit_and_reread_refused__wakeup_finds_running_recovery_takes_over(
         crash_harness, proxy, db):
     h = crash_harness
-    cut = cut_then_refuse(proxy, proxy.cut_after_commit(CLAIM))
+    cut = cut_then_refuse(proxy, proxy.cut_after_commit(CLAIM_STATEMENT))
     async with processes(h) as started:
         await start_worker(started, h, database_url=proxy.url("exports_app", db.name))
         job_id = await h.create()
