@@ -32,6 +32,7 @@ from activities.exports import ExportActivities
 from activities.interceptors import ClassifyStoreErrors
 from activities.recovery import RecoveryActivities
 from activities.scavenger import keep_scavenging, scavenge
+from starter import preflight
 from starter.temporal import CONNECT_TIMEOUT_SECONDS, NotConfigured, Unreachable, connect_temporal, exit_now
 from store import errors
 from store.db import asyncpg_dsn, make_engine
@@ -189,21 +190,44 @@ async def main() -> None:
     # Before the client connects: the SDK's metrics live in the runtime a client is created with.
     observing = await endpoint.start(settings, stopping)
     tracing.configure(settings)
-    # Nothing at start assumes PostgreSQL answers either: the scavenger, the dispatcher and every step retry.
+    # Nothing at start assumes PostgreSQL answers either: the scavenger, the dispatcher and every step retry, and
+    # the preflight's database checks wait for it.
     client = await connect_when_reachable(settings, stopping)
-    if client is not None:
-        async with running_worker(settings, tracing.traced(client, settings), health=observing.health):
+    # Before any poller or the dispatcher starts: what this release needs of Temporal and the database, each
+    # missing piece one line, and PreflightFailed (exit status 2) having taken no task (starter/preflight.py).
+    checked = await preflight.before_polling(settings, client, stopping) if client is not None else None
+    late_problems: list[str] = []
+    if client is not None and checked is not None and not stopping.is_set():
+        async with running_worker(settings, tracing.traced(client, settings), health=observing.health,
+                                  with_dispatcher=settings.dispatcher_enabled):
+            later = None
+            if checked.waiting and not stopping.is_set():
+                later = asyncio.create_task(_database_checks_later(settings, checked.waiting, stopping,
+                                                                   late_problems))
             await stopping.wait()
             # An upload ignores its cancellation, so the SDK's shutdown could wait for it: bound the exit.
-            loop.call_later(settings.shutdown_grace_seconds + 5, _exit_past_the_bound)
+            loop.call_later(settings.shutdown_grace_seconds + 5, _exit_past_the_bound, 2 if late_problems else 0)
+            if later is not None:
+                await asyncio.gather(later, return_exceptions=True)
     await observing.close()
     tracing.flush()
     log.info("worker stopped")
+    if late_problems:
+        raise preflight.PreflightFailed(late_problems)
 
 
-def _exit_past_the_bound() -> None:
+async def _database_checks_later(settings: Settings, waiting: tuple[preflight.Role, ...], stopping: asyncio.Event,
+                                 problems: list[str]) -> None:
+    """The database checks of a worker that started while PostgreSQL did not answer, once it does: a problem
+    stops the worker as SIGTERM would, and it exits with status 2."""
+    problems.extend(await preflight.database_later(settings, waiting, stopping))
+    if problems:
+        stopping.set()
+
+
+def _exit_past_the_bound(code: int) -> None:
     log.warning("shutdown bound passed: exiting; an upload that has not ended is left to recovery")
-    exit_now(0)
+    exit_now(code)
 
 
 class OneLineFailures(logging.Filter):
@@ -234,6 +258,8 @@ if __name__ == "__main__":
     configure_worker_logging(settings_or_exit(get_settings))
     try:
         asyncio.run(main())
+    except preflight.PreflightFailed:  # its lines are logged: Kubernetes restarts the pod, the log says why
+        exit_now(2)
     except NotConfigured as exc:
         log.error("%s", exc)
         exit_now(2)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import os
 import sys
@@ -35,6 +36,16 @@ from starter.client import (
     parse_id,
 )
 from starter.destinations import destinations_app
+from starter.preflight import (
+    NOT_ALLOWED,
+    CannotList,
+    Registered,
+    create_commands,
+    expected_search_attributes,
+    register_search_attributes,
+    registered_search_attributes,
+    wrong_type_line,
+)
 from starter.temporal import (
     CONNECT_TIMEOUT_SECONDS,
     Unreachable,
@@ -176,6 +187,26 @@ app = typer.Typer(help="Partner exports on Temporal.", no_args_is_help=True, add
 console = Console(markup=False, emoji=False, highlight=False)
 
 
+def _print_version(asked: bool) -> None:
+    if not asked:
+        return
+    try:
+        version = importlib.metadata.version("partner-exports")
+    except importlib.metadata.PackageNotFoundError:
+        fail("error: the partner-exports package is not installed (pip install .), so its version is unknown",
+             EXIT_UNEXPECTED)
+    print(f"exports {version}")
+    raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                 help="print the installed version and exit"),
+) -> None:
+    """Partner exports on Temporal."""
+
+
 def _settings() -> Settings:
     """The settings, or one line naming the EXPORTS_* variable that does not parse."""
     try:
@@ -220,28 +251,63 @@ def migrate(
                                                   "connects to nothing"),
     from_revision: str | None = typer.Option(None, "--from", help="with --sql: the revision the database "
                                                                       "is at (its alembic_version); default: empty"),
+    to_revision: str | None = typer.Option(None, "--to", help="the revision to bring the database to, up or down "
+                                                                  "(a rollback: the revision the previous release "
+                                                                  "needs); default: this release's newest"),
 ) -> None:
-    """Apply the database migrations as the owner role (EXPORTS_OWNER_DATABASE_URL)."""
+    """Apply the database migrations as the owner role (EXPORTS_OWNER_DATABASE_URL), and the grants the worker
+    checks at start. With --to, migrate up or down to that revision, in one transaction."""
+    from store.db import MigrationLocked, UnknownRevision, head_revision, migration_sql, resolve_revision
     from store.db import migrate as run_migrations
-    from store.db import migration_sql
 
     if from_revision is not None and not sql:
         fail("error: --from goes with --sql (a migration against the database reads its own revision)")
+    try:  # before anything connects: an unknown target changes nothing
+        target = resolve_revision(to_revision or "head")
+    except UnknownRevision as exc:
+        fail(f"error: {exc}")
     if sql:
         try:
-            text = migration_sql(from_revision)
+            text = migration_sql(from_revision, target)
         except ValueError as exc:
             fail(f"error: {exc}")
         sys.stdout.write(text)  # not through rich: the SQL exactly as written, never wrapped
         return
 
-    async def main() -> None:
-        url = _settings().owner_database_url
+    async def main() -> tuple[str | None, str]:
+        settings = _settings()
+        url = settings.owner_database_url
         await _reach_database(url, "EXPORTS_OWNER_DATABASE_URL")
-        await run_migrations(url)
+        moved = await run_migrations(url, target, lock_timeout_seconds=settings.migration_lock_timeout_seconds)
+        if target == head_revision():
+            await _grant_worker_privileges(url)
+        return moved
 
-    asyncio.run(main())
-    console.print("migrations applied")
+    try:
+        before, after = asyncio.run(main())
+    except UnknownRevision as exc:  # before any change
+        fail(f"error: {exc}")
+    except MigrationLocked as exc:
+        fail(f"not done: {exc}", EXIT_NOT_DONE)
+    if before == after:
+        console.print(f"migrations applied: the database was already at {after}")
+    else:
+        console.print(f"migrations applied: the database is at {after} (was {before or 'empty'})")
+
+
+async def _grant_worker_privileges(owner_url: str) -> None:
+    """The grants the worker checks at start, again: the migrations gave them, a restore without privileges or a
+    REVOKE may have taken them, and this is what the worker's line tells the operator to run."""
+    from starter.preflight import grant_statements
+    from store.db import make_engine
+
+    engine = make_engine(owner_url, pool_size=1, max_overflow=0)
+    try:
+        async with engine.begin() as conn:
+            for statement in grant_statements():
+                await conn.exec_driver_sql(statement)
+    finally:
+        await engine.dispose()
 
 
 @app.command()
@@ -418,6 +484,48 @@ def schedules_install() -> None:
         console.print(cell(f"{schedule_id}: {done}"))
 
 
+@app.command()
+def setup() -> None:
+    """Register the search attributes this release sets on the configured Temporal namespace, those missing only
+    (safe to run again), as someone who may administer the namespace; the worker checks them at start. It does not
+    install the schedules: run `exports schedules install` after it, as the schedules Job does, with the
+    deployment's own settings (their intervals), on every deploy."""
+
+    async def main() -> tuple[str, Registered]:
+        client = await connect_temporal(_settings(), timeout=CONNECT_TIMEOUT_SECONDS)
+        missing = expected_search_attributes()
+        try:
+            return client.namespace, await register_search_attributes(client)
+        except CannotList as exc:
+            fail(f"refused by Temporal: the search attributes of namespace {client.namespace} cannot be read with "
+                 f"these credentials ({exc}); an administrator adds them with "
+                 f"{create_commands(client.namespace, missing)}", EXIT_REFUSED)
+        except RPCError as exc:
+            if exc.status not in NOT_ALLOWED:
+                raise
+            try:  # name only what is missing, if the namespace says
+                found = await registered_search_attributes(client)
+                missing = {name: kind for name, kind in missing.items() if found.get(name) is None} or missing
+            except (RPCError, CannotList):
+                pass
+            fail(f"refused by Temporal: these credentials may not add search attributes to namespace "
+                 f"{client.namespace} ({exc.status.name}: {exc.message}); an administrator adds them with "
+                 f"{create_commands(client.namespace, missing)}", EXIT_REFUSED)
+
+    namespace, done = asyncio.run(main())
+    for name, kind in done.added.items():
+        console.print(cell(f"added {name} ({kind}) to namespace {namespace}"))
+    if done.present:
+        listed = ", ".join(f"{name} ({kind})" for name, kind in done.present.items())
+        console.print(cell(f"{'already registered' if done.added else 'nothing to add, already registered'} on "
+                           f"namespace {namespace}: {listed}"))
+    expected = expected_search_attributes()
+    for name, found in done.conflicting.items():
+        say(f"refused: {wrong_type_line(namespace, name, found, expected[name])}")
+    if done.conflicting:
+        raise typer.Exit(EXIT_REFUSED)
+
+
 @app.command("list")
 def list_exports(
     status: str | None = typer.Option(None, help="only exports in this state, as Temporal's search shows it"),
@@ -436,15 +544,18 @@ def list_exports(
 @app.command()
 def worker() -> None:
     """Run a worker: the workflows, the activities and the outbox dispatcher."""
-    import worker as worker_process
 
     async def reachable() -> None:
         # Temporal only: a worker starts while the database is away and keeps trying (worker.py).
         await connect_temporal(_settings(), timeout=CONNECT_TIMEOUT_SECONDS)
 
     asyncio.run(reachable())
-    worker_process.configure_worker_logging(_settings())
-    asyncio.run(worker_process.main())
+    # Then this process becomes `python -m worker`: one start path (its preflight, its exit statuses), and a fresh
+    # Temporal SDK runtime, which the worker installs with its metrics before it connects; the check's client took
+    # this interpreter's (the worker then failed with "Runtime default already set").
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "worker"])
 
 
 @app.command()

@@ -23,6 +23,9 @@ class Settings(BaseSettings):
     dispatcher_database_url: str = Field("", description="dispatcher role: reads the outbox, sets published_at")
     reconciliation_database_url: str = Field("", description="reconciliation role: corrections")
     owner_database_url: str = Field("", description="owner: migrations and role setup")
+    # How long a migration waits for each lock before it rolls back (exports migrate): bounded, so that its DDL
+    # never queues every worker's statements on a table behind a long transaction.
+    migration_lock_timeout_seconds: float = Field(10.0, gt=0)
     # Connection pools per role in a worker process (docs/database.md, "Connection budget"): the pool keeps
     # pool_size connections open and opens up to max_overflow more under load.
     database_pool_size: int = Field(5, ge=1)
@@ -43,6 +46,12 @@ class Settings(BaseSettings):
     lock_timeout_ms: int = Field(2000, ge=1)
     reread_timeout_seconds: float = Field(5.0, gt=0)
     dispatcher_poll_seconds: float = Field(2.0, gt=0)
+    # Off only to drain a deployment before a rollback (CHANGELOG.md): no new run starts, and exports created
+    # meanwhile wait in the database, Queued, for the next dispatcher.
+    dispatcher_enabled: bool = True
+    # Checks the worker's start may skip (starter/preflight.py): only `search-attributes`, for credentials that may
+    # neither list nor query them, once an operator has checked them another way.
+    preflight_skip: str = Field("", pattern=r"^\s*(search-attributes)?\s*$")
     sweeper_threshold_seconds: float = Field(1800.0, gt=0)
     sweeper_interval_seconds: float = Field(60.0, ge=1)
     sweeper_batch: int = Field(500, ge=1)
