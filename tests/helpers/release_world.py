@@ -29,6 +29,10 @@ from tests.helpers.releases import ROOT, ReleaseCode
 from tests.helpers.support import Ran, eventually, run_command, seed_tenant
 from workflows.identity import export_workflow_id
 
+# Every process of a world, whichever release: seconds, not minutes, so that a lease lapses while a test watches.
+FAST = dict(lease_seconds=5.0, renew_every_seconds=1.0, heartbeat_throttle_seconds=0.2, dispatcher_poll_seconds=0.5,
+            reread_timeout_seconds=2.0, lock_timeout_ms=3000, recovery_interval_seconds=1.0,
+            sweeper_interval_seconds=60.0, idle_recheck_seconds=5.0, http_port=0)
 # What the release says it registers: where today's code keeps it, else where 0.1.0 did.
 _ATTRIBUTES_OF_RELEASE = """
 import json
@@ -260,3 +264,12 @@ def completed_activity(history_events: list, activity_type: str) -> bool:
                  if e.activity_task_scheduled_event_attributes.activity_type.name == activity_type}
     return any(e.activity_task_completed_event_attributes.scheduled_event_id in scheduled for e in history_events
                if e.HasField("activity_task_completed_event_attributes"))
+
+
+async def histories(world: ReleaseWorld) -> dict[str, list]:
+    """Every workflow run of this world's namespace and its events."""
+    found = {}
+    async for execution in world.client.list_workflows():
+        handle = world.client.get_workflow_handle(execution.id, run_id=execution.run_id)
+        found[f"{execution.id}/{execution.run_id}"] = (await handle.fetch_history()).events
+    return found

@@ -1,0 +1,120 @@
+"""A rollback from this release to the previous one (case UP3), by the procedure CHANGELOG.md gives: runs this
+release touched carry patch markers the previous release cannot replay, and its schema is newer than the previous
+release can write, so the deployment is drained first.
+
+With exports in flight on this release's worker (one building, one waiting on a locked row), the procedure: restart
+the workers with the dispatcher off (EXPORTS_DISPATCHER_ENABLED=false), wait until no export run is open (exports
+created meanwhile wait in the database), stop the workers, `exports migrate --to` the previous release's revision,
+start the previous release's worker. Then nothing is left open, every export settles, and the previous release's
+worker fails no workflow task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import asyncpg
+import pytest
+from temporalio.api.enums.v1 import EventType
+
+from store.db import asyncpg_dsn
+from tests.helpers.release_world import (
+    FAST,
+    ReleaseWorld,
+    closed,
+    described,
+    histories,
+    reaches,
+    release_world,
+)
+from tests.helpers.releases import ReleaseCode, previous_release, release_code
+from tests.helpers.support import eventually
+
+BOUND = 120.0
+OPEN_EXPORT_RUNS = "WorkflowType = 'ExportWorkflow' AND ExecutionStatus = 'Running'"
+
+
+@pytest.fixture(scope="module")
+def previous():
+    with release_code(previous_release()) as code:
+        yield code
+
+
+async def open_export_runs(world: ReleaseWorld) -> int:
+    return (await world.client.count_workflows(OPEN_EXPORT_RUNS)).count
+
+
+async def todays_create(world: ReleaseWorld) -> uuid.UUID:
+    ran = await world.todays_command("create", "--tenant", str(world.tenant_id), "--destination",
+                                     str(world.destination_id), "--created-by", "release-tests")
+    assert ran.code == 0, ran
+    return uuid.UUID(ran.stdout.strip().splitlines()[-1])
+
+
+async def schema_revision(world: ReleaseWorld) -> str:
+    return await world.admin.fetchval("SELECT version_num FROM alembic_version")
+
+
+@pytest.mark.spec("UP3")
+@pytest.mark.timeout(300)
+async def test_rollback__drained_by_the_documented_procedure_the_previous_release_finishes_everything(
+        previous: ReleaseCode, pg_server, tmp_path: Path):
+    async with release_world(previous, pg_server, tmp_path, **FAST) as world:
+        released_revision = await schema_revision(world)
+        # The upgrade, as CHANGELOG.md says it.
+        for step in (("migrate",), ("setup",), ("schedules", "install")):
+            ran = await world.todays_command(*step, bound=BOUND)
+            assert ran.code == 0, ran
+        current = await world.todays_worker(build_throttle_bytes_per_second=5000)
+        done = await todays_create(world)
+        assert (await closed(world, done))["status"] == "Completed"
+        building = await todays_create(world)
+        await reaches(world, building, "Running")
+        waiting = await todays_create(world)
+        lock = await asyncpg.connect(asyncpg_dsn(world.urls["owner_database_url"]))
+        try:
+            # Its run has started and waits for a row that a long transaction holds.
+            await lock.execute("BEGIN")
+            await lock.execute("SELECT 1 FROM export_jobs WHERE id = $1 FOR UPDATE", waiting)
+
+            await eventually(lambda: open_export_runs(world), lambda n: n == 2, timeout=30, interval=0.2,
+                             what="the building and the waiting exports' runs open")
+
+            # 1. The workers again, with the dispatcher off: the runs already open go on; no new one starts.
+            assert await current.terminate(bound=BOUND) == 0, current.log()[-3000:]
+            await world.todays_worker(dispatcher_enabled=False)
+            created_while_draining = [await todays_create(world), await todays_create(world)]
+            await asyncio.sleep(1)
+            await lock.execute("ROLLBACK")
+        finally:
+            await lock.close()
+
+        # 2. Drained: no export run open. The exports created meanwhile wait in the database.
+        await eventually(lambda: open_export_runs(world), lambda n: n == 0, timeout=BOUND, interval=0.5,
+                         what="no export run open")
+        for job_id in created_while_draining:
+            assert await world.admin.fetchval("SELECT status FROM export_jobs WHERE id = $1", job_id) == "Queued"
+            assert await described(world, job_id) is None  # no run: nothing this release would have to finish
+
+        # 3. Stopped, and the schema back where the previous release left it.
+        for worker in world.workers:
+            if worker.process.returncode is None:
+                assert await worker.terminate(bound=BOUND) == 0, worker.log()[-3000:]
+        ran = await world.todays_command("migrate", "--to", released_revision, bound=BOUND)
+        assert ran.code == 0, ran
+        assert await schema_revision(world) == released_revision
+
+        # 4. The previous release: its dispatcher starts the waiting exports, and everything settles.
+        rolled_back = await world.released_worker()
+        statuses = {job_id: (await closed(world, job_id, timeout=BOUND))["status"]
+                    for job_id in (done, building, waiting, *created_while_draining)}
+        assert set(statuses.values()) == {"Completed"}, statuses
+        await eventually(lambda: open_export_runs(world), lambda n: n == 0, timeout=30, interval=0.5,
+                         what="no export run open after the rollback")
+        assert rolled_back.process.returncode is None, rolled_back.log()[-3000:]
+
+        for run, events in (await histories(world)).items():
+            failed = [e for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED]
+            assert not failed, f"{run}: {failed[0].workflow_task_failed_event_attributes.failure.message}"

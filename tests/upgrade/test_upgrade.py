@@ -1,0 +1,174 @@
+"""A deploy of this release over the previous one, with exports in flight (case UP1), run with the previous
+release's own code: its worker, its migrations and its command line, checked out from this repository's history
+(tests/helpers/releases.py). Nothing here was recorded by today's code.
+
+The previous release's worker takes exports into each state a deploy meets: one uploading, one building, one whose
+claim waits on a locked row, one whose operator's cancel is being recorded against a locked row. It is stopped as a
+deploy stops a pod (SIGTERM), `exports migrate` of this release runs, this release's worker refuses to start on a
+namespace that lacks a search attribute it needs (UP4), `exports setup` adds it, and this release's worker finishes
+every export: each as asked, with the right bytes at the partner, no workflow task failed, no run left open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import WorkflowExecutionStatus
+
+from store.db import asyncpg_dsn
+from tests.helpers.release_world import (
+    FAST,
+    ReleaseWorld,
+    activity_in_flight,
+    closed,
+    create,
+    histories,
+    reaches,
+    release_world,
+    signal_cancel,
+)
+from tests.helpers.releases import ReleaseCode, previous_release, release_code
+from tests.helpers.support import eventually
+from workflows.identity import EXPORT_STATUS, export_workflow_id
+
+# Slow enough that each export is caught in its step when the old worker stops (about 27 kB of contacts).
+SLOW = dict(build_throttle_bytes_per_second=3000, upload_throttle_bytes_per_second=3000)
+BOUND = 120.0
+
+
+@pytest.fixture(scope="module")
+def previous() -> AsyncIterator[ReleaseCode]:
+    with release_code(previous_release()) as code:
+        yield code
+
+
+async def locked(world: ReleaseWorld, job_id: uuid.UUID) -> asyncpg.Connection:
+    """A connection holding the export's row lock in an open transaction, as a long statement elsewhere would."""
+    conn = await asyncpg.connect(asyncpg_dsn(world.urls["owner_database_url"]))
+    await conn.execute("BEGIN")
+    await conn.execute("SELECT 1 FROM export_jobs WHERE id = $1 FOR UPDATE", job_id)
+    return conn
+
+
+async def release(conn: asyncpg.Connection) -> None:
+    await conn.execute("ROLLBACK")
+    await conn.close()
+
+
+async def building(world: ReleaseWorld, job_id: uuid.UUID) -> None:
+    await reaches(world, job_id, "Running")
+    await eventually(lambda: asyncio.sleep(0, list(world.work_dir.glob(f"{job_id}-*.csv*"))), bool, timeout=30,
+                     what=f"the build of {job_id} writing")
+
+
+def file_at_partner(world: ReleaseWorld, name: str) -> bytes:
+    return (world.partner.root / "outbound" / name).read_bytes()
+
+
+@pytest.mark.spec("UP1", "UP4")
+@pytest.mark.timeout(300)
+async def test_upgrade__exports_in_flight_on_the_previous_release_are_finished_by_this_one(
+        previous: ReleaseCode, pg_server, tmp_path: Path):
+    async with release_world(previous, pg_server, tmp_path, **FAST) as world:
+        installed = await previous.command("schedules", "install", settings=world.settings())
+        assert installed.code == 0, installed
+
+        # Queued: its claim waits on a row another transaction holds, from before the old worker starts.
+        queued = await create(world)
+        queued_lock = await locked(world, queued)
+        cancel_lock = None
+        old = await world.released_worker(**SLOW)
+        try:
+            await activity_in_flight(world, queued, "claim")
+            delivering = await create(world)
+            await reaches(world, delivering, "Delivering")
+            built, cancelled = await create(world), await create(world)
+            await building(world, built)
+            await building(world, cancelled)
+            assert await reaches(world, delivering, "Delivering") == "Delivering"
+
+            # The deploy: SIGTERM; the old worker lets the upload in flight end, then exits.
+            assert await old.terminate(bound=BOUND) in (0, -15), old.log()[-3000:]
+            claims_before = await activity_in_flight(world, queued, "claim")
+            # The migration waits its bound for the long transaction's lock, and changes nothing; the Job runs it
+            # again once that transaction has ended.
+            blocked = await world.todays_command("migrate", migration_lock_timeout_seconds=1, bound=BOUND)
+            assert blocked.code == 3 and "nothing changed" in blocked.stderr, blocked
+            await release(queued_lock)
+            migrated = await world.todays_command("migrate", bound=BOUND)
+            assert migrated.code == 0, migrated
+            # Meanwhile an operator cancels `cancelled` from the UI, and its row is locked again, as is the queued
+            # one's: this release's worker meets both.
+            queued_lock, cancel_lock = await locked(world, queued), await locked(world, cancelled)
+            request_id = await signal_cancel(world, cancelled, reason="wrong list")
+
+            # The namespace lacks ExportConfirmedBy: this release's worker says so and takes nothing.
+            refused = await world.todays_worker()
+            assert await asyncio.wait_for(refused.process.wait(), 60) == 2, refused.log()[-3000:]
+            assert "ExportConfirmedBy" in refused.log() and "temporal operator search-attribute create" in \
+                refused.log(), refused.log()[-3000:]
+            setup = await world.todays_command("setup")
+            assert setup.code == 0, setup
+            assert (await world.todays_command("schedules", "install")).code == 0
+
+            await world.todays_worker(build_throttle_bytes_per_second=10_000)
+            handle = world.client.get_workflow_handle(export_workflow_id(cancelled))
+
+            async def claim_retried_then_unlocked() -> None:
+                # The claim, retried by this release's worker, still meets the lock; then the lock goes.
+                await activity_in_flight(world, queued, "claim", beyond_attempt=claims_before, timeout=60)
+                await release(queued_lock)
+
+            async def cancel_busy_then_unlocked() -> None:
+                # The cancel, recorded here, answers Busy; the run asks again (patched) and the lock goes.
+                await eventually(lambda: handle.fetch_history(), lambda h: any(
+                    b"busy-cancel-retry" in e.marker_recorded_event_attributes.SerializeToString()
+                    for e in h.events), timeout=60, interval=0.2, what="the busy cancel to be asked again")
+                await release(cancel_lock)
+
+            await asyncio.gather(claim_retried_then_unlocked(), cancel_busy_then_unlocked())
+
+            results = {job: await closed(world, job, timeout=BOUND) for job in (queued, delivering, built, cancelled)}
+        finally:
+            for held in (queued_lock, cancel_lock):
+                if held is not None and not held.is_closed():
+                    await release(held)
+
+        rows = {r["id"]: r for r in await world.admin.fetch("SELECT * FROM export_jobs")}
+        assert {job: rows[job]["status"] for job in results} == {
+            queued: "Completed", delivering: "Completed", built: "Completed",
+            cancelled: rows[cancelled]["status"]}, results
+        assert rows[cancelled]["status"] in ("Stopped", "Canceled"), rows[cancelled]
+        assert await world.admin.fetchval("SELECT id FROM cancellation_requests WHERE job_id = $1",
+                                          cancelled) == request_id
+        # Each result is the row's, and so is each run's ExportStatus.
+        for job, result in results.items():
+            assert result["status"] == rows[job]["status"], (job, result)
+            description = await world.client.get_workflow_handle(export_workflow_id(job)).describe()
+            assert description.status is WorkflowExecutionStatus.COMPLETED
+            assert description.typed_search_attributes.get(EXPORT_STATUS) == rows[job]["status"], job
+
+        # The right bytes, once each: the file the row names, with the sha256 it expected.
+        completed = [job for job in results if rows[job]["status"] == "Completed"]
+        at_partner = sorted(p.name for p in (world.partner.root / "outbound").iterdir())
+        assert at_partner == sorted(rows[job]["expected_file_name"] for job in completed)
+        for job in completed:
+            content = file_at_partner(world, rows[job]["expected_file_name"])
+            assert hashlib.sha256(content).digest() == bytes(rows[job]["expected_file_sha256"])
+            assert content.count(b"\n") == 301  # the header and every contact
+        assert rows[delivering]["attempt_count"] == 1  # finished by the old worker's upload, not uploaded again
+
+        # No workflow task failed, in any run of either release; nothing open.
+        for run, events in (await histories(world)).items():
+            failed = [e for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED]
+            assert not failed, f"{run}: {failed[0].workflow_task_failed_event_attributes.failure.message}"
+        running = [w.id async for w in world.client.list_workflows(
+            "WorkflowType = 'ExportWorkflow' AND ExecutionStatus = 'Running'")]
+        assert running == [], running
