@@ -40,6 +40,7 @@ from store.jobs import JobStore
 from store.outbox import Outbox
 from store.recovery import Recovery
 from store.settings import Settings, get_settings
+from workflows import patches
 from workflows.export import ExportWorkflow
 from workflows.recovery import PartnerSweepWorkflow, RecoveryWorkflow, SweeperWorkflow
 
@@ -92,6 +93,8 @@ async def running_worker(
         client,
         task_queue=settings.task_queue,
         workflows=WORKFLOWS,
+        # A patch this release only understands is replayed where recorded, never written (workflows/patches.py).
+        patch_activation_callback=patches.activates,
         activities=activities.all() + recovery.all(),
         **common,
     )

@@ -43,6 +43,7 @@ with workflow.unsafe.imports_passed_through():
     from activities.error_types import EXPORT_NOT_CREATED, EXPORT_NOT_FOUND, INVALID_EXPORT_INPUT
     from activities.exports import ExportActivities
     from store.models import AuthorizationResult, CancellationOutcome, ClaimResult, JobRow, Status
+    from workflows import patches
     from workflows.identity import (
         DELIVERY_KEY,
         EXPORT_ATTEMPTS,
@@ -66,15 +67,6 @@ _IDLE_RECHECK = timedelta(minutes=5)
 _UNCONFIRMED_CLAIM_RETRY = timedelta(seconds=5)
 # A build whose worker is lost resumes elsewhere this many times, each only while its lease renewal matches.
 _BUILD_RESUMPTIONS = 3
-# Runs that started before the delivery returned its row replay the re-read they recorded.
-_ROW_FROM_DELIVERY = "row-from-delivery"
-# Runs that started before a late wake-up was read again replay their return as recorded.
-_WAKE_AFTER_SETTLED = "wake-after-settled"
-# Runs that started before policy and the claim became one step (0.1.0's) replay them as two, and show only the
-# states they read from the row, as 0.1.0 did (no Running at the claim, no Delivering at cutoff 2).
-_POLICY_AND_CLAIM = "policy-and-claim"
-# Runs whose cancellation found the row locked before Busy requests were asked again (0.1.0's) replay no retry.
-_BUSY_RETRY = "busy-cancel-retry"
 _STOP_OUTCOMES = (CancellationOutcome.STOP_REQUESTED, CancellationOutcome.STOP_ALREADY_REQUESTED)
 # A cancellation that found its row locked (Busy) is asked again this many times, this far apart.
 _BUSY_RETRIES = 5
@@ -181,7 +173,7 @@ class ExportWorkflow:
                 lambda: not self._cancels and not self._cancel_in_flight and not self._cancel_in_flight_later)
             # A wake-up after the last read (a reconciliation or a correction, made while this run was still
             # recording cancellations) would otherwise be lost with this run: read the row again.
-            if not (self._woken and workflow.patched(_WAKE_AFTER_SETTLED)):
+            if not (self._woken and workflow.patched(patches.WAKE_AFTER_SETTLED)):
                 break
         canceller.cancel()
         return ExportResult(job_id=row.id, status=row.status, failure_reason=row.failure_reason)
@@ -195,7 +187,7 @@ class ExportWorkflow:
                 # reconciliation of what it wrote, say): then the row is read again.
                 return self._observe(delivered)
             self._woken = False
-            if workflow.patched(_POLICY_AND_CLAIM):
+            if workflow.patched(patches.POLICY_AND_CLAIM):
                 settled = await self._admit_and_attempt(job_id)
             else:
                 settled = await self._evaluate_then_attempt(job_id)
@@ -376,7 +368,7 @@ class ExportWorkflow:
                 **on_worker,
             )
             self._why = f"delivery: {delivered.summary}"
-            if delivered.row is not None and workflow.patched(_ROW_FROM_DELIVERY):
+            if delivered.row is not None and workflow.patched(patches.ROW_FROM_DELIVERY):
                 self._delivered_row = delivered.row
         except ActivityError:
             pass  # never a second upload: the row stays Delivering and recovery resolves it
@@ -484,7 +476,8 @@ class ExportWorkflow:
             reason = f": \"{request.reason}\"" if request.reason else ""
             self._asked.append(f"cancel by {request.requested_by}{reason} → {recorded.result.outcome.value}")
             self._describe()
-            if recorded.result.outcome is CancellationOutcome.BUSY and workflow.patched(_BUSY_RETRY):
+            busy = recorded.result.outcome is CancellationOutcome.BUSY
+            if busy and workflow.patched(patches.BUSY_CANCEL_RETRY):
                 # The row was locked longer than lock_timeout: nothing recorded. Ask again with the same request
                 # ID (its answer, if an earlier try committed after all, is the one recorded), a few times.
                 self._busy[request.request_id] = tries = self._busy.get(request.request_id, 0) + 1

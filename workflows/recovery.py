@@ -24,6 +24,7 @@ with workflow.unsafe.imports_passed_through():
         TakeoverOutput,
     )
     from activities.recovery import RecoveryActivities
+    from workflows import patches
 
 _STEP = {
     "start_to_close_timeout": timedelta(seconds=60),
@@ -31,8 +32,6 @@ _STEP = {
 }
 
 
-# Runs started before recovery drained its backlog in rounds replay the single batch they recorded.
-_ROUNDS_PATCH = "recovery-rounds"
 # Takeovers of one batch in flight at once: each is its own conditional statement on its own row.
 _TAKEOVERS_AT_ONCE = 10
 
@@ -41,7 +40,7 @@ _TAKEOVERS_AT_ONCE = 10
 class RecoveryWorkflow:
     @workflow.run
     async def run(self, request: RecoveryInput) -> RecoveryReport:
-        if not workflow.patched(_ROUNDS_PATCH):
+        if not workflow.patched(patches.RECOVERY_ROUNDS):
             return await self._one_batch(request)
         # A batch at a time, nominating again after each, until one comes back short or changes nothing (what it
         # nominated moved on, or cannot be taken over now): a backlog clears in one run, and the run is bounded.

@@ -20,8 +20,8 @@ async def exports(db, *args: str, **overrides: object):
 
 @pytest.mark.spec("UP1")
 async def test_migrate__a_lock_held_elsewhere_is_waited_for_a_bound_then_nothing_changed(db):
-    """export_jobs held by a long transaction (a row locked FOR UPDATE): the migration that alters the table waits its bound,
-    rolls back and says so (exit 3, nothing changed); once the lock is gone, the same command migrates."""
+    """export_jobs held by a long transaction (a row locked FOR UPDATE): the migration that alters the table waits
+    its bound, rolls back and says so (exit 3, nothing changed); once the lock is gone, the same command migrates."""
     ran = await exports(db, "migrate", "--to", "0006")
     assert ran.code == 0, ran
     holder = await db.connect("owner")

@@ -1,0 +1,43 @@
+"""Every patch the workflows branch on, and which of them this release activates.
+
+A patch (`workflow.patched(ID)`) keeps the commands that runs recorded before a change. A run that replays takes
+the branch its history recorded: the new one where it has the patch's marker, the old one where it has none. A run
+that reaches the call live takes the new branch, and records the marker, only if the worker activates the patch
+(the SDK's patch_activation_callback, `activates` below); otherwise it takes the old branch and records nothing.
+
+The rule that makes a rollback by one release safe: a release ships a new patch inactive (listed in UNDERSTOOD),
+so that it replays runs whose history has the marker but writes none; the next release activates it (moves it to
+ACTIVE). Rolled back from that next release, this one still replays every run the next one touched. A patch is
+retired as docs/changing-workflows.md says: `workflow.deprecate_patch`, then removal, each a release of its own.
+
+0.2.0 is the first release under this rule. The patches below were all written first by 0.2.0, unannounced by
+0.1.0, which therefore cannot replay runs that 0.2.0 touched: a rollback to 0.1.0 drains first (CHANGELOG.md).
+"""
+
+from __future__ import annotations
+
+from temporalio.worker import PatchActivationInput
+
+# Export runs started before the delivery returned its row replay the re-read they recorded.
+ROW_FROM_DELIVERY = "row-from-delivery"
+# Export runs started before a late wake-up was read again replay their return as recorded.
+WAKE_AFTER_SETTLED = "wake-after-settled"
+# Export runs started before policy and the claim became one step (0.1.0's) replay them as two, and show only the
+# states they read from the row, as 0.1.0 did (no Running at the claim, no Delivering at cutoff 2).
+POLICY_AND_CLAIM = "policy-and-claim"
+# Export runs whose cancellation found the row locked before Busy requests were asked again (0.1.0's) replay no
+# retry.
+BUSY_CANCEL_RETRY = "busy-cancel-retry"
+# Recovery runs started before recovery drained its backlog in rounds replay the single batch they recorded.
+RECOVERY_ROUNDS = "recovery-rounds"
+
+# Written on new runs by this release.
+ACTIVE = frozenset({ROW_FROM_DELIVERY, WAKE_AFTER_SETTLED, POLICY_AND_CLAIM, BUSY_CANCEL_RETRY, RECOVERY_ROUNDS})
+# Replayed where a history recorded them, never written: the next release activates them.
+UNDERSTOOD: frozenset[str] = frozenset()
+
+
+def activates(request: PatchActivationInput) -> bool:
+    """The worker's patch_activation_callback: whether a run that reaches `patched(ID)` live takes the new branch.
+    A patch this release does not list is never activated."""
+    return request.patch_id in ACTIVE
