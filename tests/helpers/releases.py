@@ -10,6 +10,7 @@ which `release_code` checks.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -83,10 +84,15 @@ def is_released(version: str) -> bool:
     return False
 
 
-def releases() -> list[Release]:
-    """Every release CHANGELOG.md names before the code of this checkout, newest first."""
+def rollback_declared_unsupported(previous: Release) -> bool:
+    """Whether this version's CHANGELOG.md entry says that rolling back to `previous` is not supported (and how to
+    drain first): a `### Rolling back to <previous>` heading whose text begins `Not supported`."""
     current = current_version()
-    return [Release(version, _release_commit(version, named)) for version, named in _entries() if version != current]
+    for entry in _ENTRY.finditer(CHANGELOG.read_text()):
+        if entry["version"] == current:
+            found = re.search(rf"^### Rolling back to {re.escape(previous.version)}\s*\n+(\S.*)$", entry.group(0), re.M)
+            return found is not None and found.group(1).startswith("Not supported")
+    return False
 
 
 def previous_release() -> Release:
@@ -103,6 +109,32 @@ def previous_release() -> Release:
 # may answer an import.
 _OWN_CODE_ONLY = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'Editable' not in "
                   "getattr(f, '__name__', type(f).__name__)]; ")
+
+
+_REPLAY = """
+import asyncio, importlib, inspect, json, pkgutil, sys
+from temporalio.client import WorkflowHistory
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer
+import workflows
+classes = []
+for info in pkgutil.iter_modules(workflows.__path__):
+    module = importlib.import_module("workflows." + info.name)
+    classes += [c for _, c in inspect.getmembers(module, inspect.isclass)
+                if c.__module__ == module.__name__ and hasattr(c, "__temporal_workflow_definition")]
+async def main():
+    failures = []
+    for path in sys.argv[1:]:
+        data = json.load(open(path))
+        started = data["events"][0]["workflowExecutionStartedEventAttributes"]
+        replayer = Replayer(workflows=classes, data_converter=pydantic_data_converter)
+        result = await replayer.replay_workflow(WorkflowHistory.from_json(started["workflowId"], data),
+                                                raise_on_replay_failure=False)
+        if result.replay_failure is not None:
+            failures.append(path + ": " + str(result.replay_failure).splitlines()[0][:300])
+    print(json.dumps(failures))
+asyncio.run(main())
+"""
 
 
 @dataclass
@@ -129,6 +161,14 @@ class ReleaseCode:
     async def python(self, code: str, *, settings: Settings, bound: float = 60) -> Ran:
         return await run_command(sys.executable, "-c", _OWN_CODE_ONLY + code, env=self.env(settings), cwd=self.tree,
                                  bound=bound)
+
+    async def replay(self, histories: list[Path], *, bound: float = 120) -> list[str]:
+        """Replays histories on the release's own workflow code (every workflow class in its workflows/, the
+        pydantic converter); the failures, one line each."""
+        ran = await run_command(sys.executable, "-c", _OWN_CODE_ONLY + _REPLAY, *map(str, histories),
+                                env=self.env(Settings(_env_file=None)), cwd=self.tree, bound=bound)
+        assert ran.code == 0, ran
+        return json.loads(ran.stdout.strip().splitlines()[-1])
 
     async def spawn_worker(self, settings: Settings, log_path: Path):
         start = _OWN_CODE_ONLY + "import runpy; runpy.run_module('worker', run_name='__main__', alter_sys=True)"

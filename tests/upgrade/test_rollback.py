@@ -29,8 +29,15 @@ from tests.helpers.release_world import (
     reaches,
     release_world,
 )
-from tests.helpers.releases import ReleaseCode, previous_release, release_code
+from tests.helpers.releases import (
+    ReleaseCode,
+    current_version,
+    previous_release,
+    release_code,
+    rollback_declared_unsupported,
+)
 from tests.helpers.support import eventually
+from tests.replay.history_files import HISTORIES
 
 BOUND = 120.0
 OPEN_EXPORT_RUNS = "WorkflowType = 'ExportWorkflow' AND ExecutionStatus = 'Running'"
@@ -118,3 +125,19 @@ async def test_rollback__drained_by_the_documented_procedure_the_previous_releas
         for run, events in (await histories(world)).items():
             failed = [e for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED]
             assert not failed, f"{run}: {failed[0].workflow_task_failed_event_attributes.failure.message}"
+
+
+@pytest.mark.spec("UP3")
+async def test_rollback__the_previous_release_replays_the_runs_this_one_recorded(previous: ReleaseCode):
+    """Rolled back by one release, the previous release's workers replay the runs this one wrote. Where CHANGELOG.md
+    says that rollback is not supported (and how to drain first), the replay must fail as it says: an unexpected
+    pass fails this test, so the note never outlives its reason."""
+    recorded = sorted((HISTORIES / current_version()).glob("*.json"))
+    assert recorded, f"no histories of {current_version()}: run `make histories`"
+    failures = await previous.replay(recorded)
+    if rollback_declared_unsupported(previous.release):
+        assert failures, f"CHANGELOG.md says a rollback to {previous.release.version} needs a drain, yet its " \
+                         "code replays every history of this release: correct the note"
+        assert any("TMPRL1100" in failure or "not registered" in failure for failure in failures), failures
+    else:
+        assert not failures, "\n".join(failures)
