@@ -41,6 +41,7 @@ async def registered(client) -> dict[str, str]:
     return {name: preflight.kind_name(kind) for name, kind in listed.custom_attributes.items()}
 
 
+@pytest.mark.spec("UP6")
 def test_version_is_the_installed_packages():
     import subprocess
 

@@ -107,6 +107,12 @@ async def stranded_in_queued(h: Harness) -> uuid.UUID:
     return job_id
 
 
+async def delivering(h: Harness, job_id: uuid.UUID, timeout: float = 30.0) -> None:
+    """Wait until the export is Delivering: cutoff 2 committed, the upload under way."""
+    await eventually(lambda: h.store.read_job(job_id), lambda r: r.status is Status.DELIVERING, timeout=timeout,
+                     what=f"export {job_id} Delivering")
+
+
 async def building(h: Harness, job_id: uuid.UUID, timeout: float = 20.0) -> uuid.UUID:
     """Wait until the export is Running and its build is writing the local file, which the build opens only once
     its stop watcher is listening. Returns the attempt ID."""

@@ -181,9 +181,6 @@ async def release_world(code: ReleaseCode, pg_server, tmp_path: Path, **settings
 
 # --- what an operator does, with the release's own command line or raw Temporal calls ------------------------
 
-SETTLED = ("Canceled", "Rejected", "Stopped", "Failed", "Completed", "OutcomeUnknown")
-
-
 async def create(world: ReleaseWorld, *, bound: float = 60) -> uuid.UUID:
     """`exports create` of the release that runs this world; its worker's dispatcher starts the workflow."""
     ran = await world.code.command("create", "--tenant", str(world.tenant_id), "--destination",
@@ -247,15 +244,6 @@ async def activity_in_flight(world: ReleaseWorld, job_id: uuid.UUID, activity_ty
     found = await eventually(attempts, lambda found: any(a > beyond_attempt for a in found), timeout=timeout,
                              interval=0.1, what=f"{activity_type} of {job_id} in flight past attempt {beyond_attempt}")
     return max(found)
-
-
-async def history_has(world: ReleaseWorld, workflow_id: str, predicate, *, timeout: float = 30):
-    """Wait until one event of the run's history satisfies `predicate`."""
-    async def events() -> list:
-        return (await world.client.get_workflow_handle(workflow_id).fetch_history()).events
-
-    return await eventually(events, lambda evs: any(predicate(e) for e in evs), timeout=timeout, interval=0.2,
-                            what=f"an event of {workflow_id}")
 
 
 def completed_activity(history_events: list, activity_type: str) -> bool:

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import tomllib
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -198,7 +197,3 @@ def release_code(release: Release) -> Iterator[ReleaseCode]:
     finally:
         _git("worktree", "remove", "--force", str(tree))
         shutil.rmtree(tree.parent, ignore_errors=True)
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"

@@ -59,6 +59,21 @@ async def eventually(
         await asyncio.sleep(interval)
 
 
+async def lock_row(dsn: str, job_id: uuid.UUID) -> asyncpg.Connection:
+    """A connection (as `dsn`) holding the export's row lock in an open transaction, as a long statement elsewhere
+    would; `unlock_row` ends it."""
+    conn = await asyncpg.connect(dsn)
+    await conn.execute("BEGIN")
+    await conn.execute("SELECT 1 FROM export_jobs WHERE id = $1 FOR UPDATE", job_id)
+    return conn
+
+
+async def unlock_row(conn: asyncpg.Connection) -> None:
+    if not conn.is_closed():
+        await conn.execute("ROLLBACK")
+        await conn.close()
+
+
 def built_files(work_dir: object, job_id: uuid.UUID, attempt_id: uuid.UUID) -> list[Path]:
     """The local files the builds of one attempt wrote (one per build: <job>-<attempt>-<build token>.csv, and
     .csv.partial while it is written)."""

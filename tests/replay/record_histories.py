@@ -18,6 +18,7 @@ from temporalio.client import Client
 from temporalio.service import RPCError
 
 from activities.contracts import PartnerSweepOutput, RecoveryInput, RecoveryReport, SweepInput
+from store.db import asyncpg_dsn
 from store.models import CancellationOutcome, Status
 from tests.helpers.crash import (
     crash_world,
@@ -28,10 +29,18 @@ from tests.helpers.crash import (
     wait_lease_expired,
 )
 from tests.helpers.faults import CLAIM_STATEMENT, fault_proxy
-from tests.helpers.harness import Harness, building, held_at, open_harness, stranded_in_queued, unknown_original
+from tests.helpers.harness import (
+    Harness,
+    building,
+    delivering,
+    held_at,
+    open_harness,
+    stranded_in_queued,
+    unknown_original,
+)
 from tests.helpers.releases import current_version, is_released
 from tests.helpers.standins import woken_while_recording_a_cancel
-from tests.helpers.support import eventually
+from tests.helpers.support import eventually, lock_row, unlock_row
 from tests.replay.history_files import save
 from worker import running_worker
 from workflows.identity import export_workflow_id
@@ -218,10 +227,8 @@ async def test_export_busy_cancel_retried(slow_build_harness: Harness):
     h = slow_build_harness
     job_id = await h.create()
     await building(h, job_id)
-    locker = await h.db.connect("owner")
+    locker = await lock_row(asyncpg_dsn(h.db.url("owner")), job_id)
     try:
-        await locker.execute("BEGIN")
-        await locker.execute("SELECT 1 FROM export_jobs WHERE id = $1 FOR UPDATE", job_id)
         await h.client.get_workflow_handle(export_workflow_id(job_id)).signal("cancel", {
             "request_id": str(uuid.uuid4()), "tenant": str(h.tenant_id), "operator": "ann@example.com"})
         handle = h.client.get_workflow_handle(export_workflow_id(job_id))
@@ -229,8 +236,7 @@ async def test_export_busy_cancel_retried(slow_build_harness: Harness):
                          lambda history: any(e.HasField("timer_started_event_attributes") for e in history.events),
                          timeout=30, interval=0.1, what="the Busy answer's retry timer")
     finally:
-        await locker.execute("ROLLBACK")
-        await locker.close()
+        await unlock_row(locker)
     assert (await h.settled(job_id)).status is Status.STOPPED
     await record_export(h, job_id, "export_busy_cancel_retried")
 
@@ -238,8 +244,7 @@ async def test_export_busy_cancel_retried(slow_build_harness: Harness):
 async def test_export_woken_during_delivery(slow_upload_harness: Harness):
     h = slow_upload_harness
     job_id = await h.create()
-    await eventually(lambda: h.store.read_job(job_id), lambda r: r.status is Status.DELIVERING, timeout=30,
-                     what="delivering")
+    await delivering(h, job_id)
     await h.client.get_workflow_handle(export_workflow_id(job_id)).signal("wake", {"message_id": str(uuid.uuid4())})
     assert (await h.settled(job_id)).status is Status.COMPLETED
     await record_export(h, job_id, "export_woken_during_delivery")
@@ -248,8 +253,7 @@ async def test_export_woken_during_delivery(slow_upload_harness: Harness):
 async def test_export_too_late_cancel_during_delivery(slow_upload_harness: Harness):
     h = slow_upload_harness
     job_id = await h.create()
-    await eventually(lambda: h.store.read_job(job_id), lambda r: r.status is Status.DELIVERING, timeout=30,
-                     what="delivering")
+    await delivering(h, job_id)
     # Raw, as from the UI: the run records it itself and learns TooLate while the upload runs.
     handle = h.client.get_workflow_handle(export_workflow_id(job_id))
     await handle.signal("cancel", {"request_id": str(uuid.uuid4()), "tenant": str(h.tenant_id),

@@ -15,7 +15,6 @@ import asyncio
 import uuid
 from pathlib import Path
 
-import asyncpg
 import pytest
 from temporalio.api.enums.v1 import EventType
 
@@ -36,7 +35,7 @@ from tests.helpers.releases import (
     release_code,
     rollback_declared_unsupported,
 )
-from tests.helpers.support import eventually
+from tests.helpers.support import eventually, lock_row, unlock_row
 from tests.replay.history_files import HISTORIES
 
 BOUND = 120.0
@@ -80,11 +79,9 @@ async def test_rollback__drained_by_the_documented_procedure_the_previous_releas
         building = await todays_create(world)
         await reaches(world, building, "Running")
         waiting = await todays_create(world)
-        lock = await asyncpg.connect(asyncpg_dsn(world.urls["owner_database_url"]))
+        # Its run waits for a row that a long transaction holds.
+        lock = await lock_row(asyncpg_dsn(world.urls["owner_database_url"]), waiting)
         try:
-            # Its run has started and waits for a row that a long transaction holds.
-            await lock.execute("BEGIN")
-            await lock.execute("SELECT 1 FROM export_jobs WHERE id = $1 FOR UPDATE", waiting)
 
             await eventually(lambda: open_export_runs(world), lambda n: n == 2, timeout=30, interval=0.2,
                              what="the building and the waiting exports' runs open")
@@ -94,9 +91,8 @@ async def test_rollback__drained_by_the_documented_procedure_the_previous_releas
             await world.todays_worker(dispatcher_enabled=False)
             created_while_draining = [await todays_create(world), await todays_create(world)]
             await asyncio.sleep(1)
-            await lock.execute("ROLLBACK")
         finally:
-            await lock.close()
+            await unlock_row(lock)
 
         # 2. Drained: no export run open. The exports created meanwhile wait in the database.
         await eventually(lambda: open_export_runs(world), lambda n: n == 0, timeout=BOUND, interval=0.5,

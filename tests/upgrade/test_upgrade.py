@@ -17,7 +17,6 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import asyncpg
 import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowExecutionStatus
@@ -35,7 +34,7 @@ from tests.helpers.release_world import (
     signal_cancel,
 )
 from tests.helpers.releases import ReleaseCode, previous_release, release_code
-from tests.helpers.support import eventually
+from tests.helpers.support import eventually, lock_row, unlock_row
 from workflows.identity import EXPORT_STATUS, export_workflow_id
 
 # Slow enough that each export is caught in its step when the old worker stops (about 27 kB of contacts).
@@ -47,19 +46,6 @@ BOUND = 120.0
 def previous() -> AsyncIterator[ReleaseCode]:
     with release_code(previous_release()) as code:
         yield code
-
-
-async def locked(world: ReleaseWorld, job_id: uuid.UUID) -> asyncpg.Connection:
-    """A connection holding the export's row lock in an open transaction, as a long statement elsewhere would."""
-    conn = await asyncpg.connect(asyncpg_dsn(world.urls["owner_database_url"]))
-    await conn.execute("BEGIN")
-    await conn.execute("SELECT 1 FROM export_jobs WHERE id = $1 FOR UPDATE", job_id)
-    return conn
-
-
-async def release(conn: asyncpg.Connection) -> None:
-    await conn.execute("ROLLBACK")
-    await conn.close()
 
 
 async def building(world: ReleaseWorld, job_id: uuid.UUID) -> None:
@@ -77,12 +63,13 @@ def file_at_partner(world: ReleaseWorld, name: str) -> bytes:
 async def test_upgrade__exports_in_flight_on_the_previous_release_are_finished_by_this_one(
         previous: ReleaseCode, pg_server, tmp_path: Path):
     async with release_world(previous, pg_server, tmp_path, **FAST) as world:
+        owner = asyncpg_dsn(world.urls["owner_database_url"])
         installed = await previous.command("schedules", "install", settings=world.settings())
         assert installed.code == 0, installed
 
         # Queued: its claim waits on a row another transaction holds, from before the old worker starts.
         queued = await create(world)
-        queued_lock = await locked(world, queued)
+        queued_lock = await lock_row(owner, queued)
         cancel_lock = None
         old = await world.released_worker(**SLOW)
         try:
@@ -101,12 +88,12 @@ async def test_upgrade__exports_in_flight_on_the_previous_release_are_finished_b
             # again once that transaction has ended.
             blocked = await world.todays_command("migrate", migration_lock_timeout_seconds=1, bound=BOUND)
             assert blocked.code == 3 and "nothing changed" in blocked.stderr, blocked
-            await release(queued_lock)
+            await unlock_row(queued_lock)
             migrated = await world.todays_command("migrate", bound=BOUND)
             assert migrated.code == 0, migrated
             # Meanwhile an operator cancels `cancelled` from the UI, and its row is locked again, as is the queued
             # one's: this release's worker meets both.
-            queued_lock, cancel_lock = await locked(world, queued), await locked(world, cancelled)
+            queued_lock, cancel_lock = await lock_row(owner, queued), await lock_row(owner, cancelled)
             request_id = await signal_cancel(world, cancelled, reason="wrong list")
 
             # The namespace lacks ExportConfirmedBy: this release's worker says so and takes nothing.
@@ -124,22 +111,22 @@ async def test_upgrade__exports_in_flight_on_the_previous_release_are_finished_b
             async def claim_retried_then_unlocked() -> None:
                 # The claim, retried by this release's worker, still meets the lock; then the lock goes.
                 await activity_in_flight(world, queued, "claim", beyond_attempt=claims_before, timeout=60)
-                await release(queued_lock)
+                await unlock_row(queued_lock)
 
             async def cancel_busy_then_unlocked() -> None:
                 # The cancel, recorded here, answers Busy; the run asks again (patched) and the lock goes.
                 await eventually(lambda: handle.fetch_history(), lambda h: any(
                     b"busy-cancel-retry" in e.marker_recorded_event_attributes.SerializeToString()
                     for e in h.events), timeout=60, interval=0.2, what="the busy cancel to be asked again")
-                await release(cancel_lock)
+                await unlock_row(cancel_lock)
 
             await asyncio.gather(claim_retried_then_unlocked(), cancel_busy_then_unlocked())
 
             results = {job: await closed(world, job, timeout=BOUND) for job in (queued, delivering, built, cancelled)}
         finally:
             for held in (queued_lock, cancel_lock):
-                if held is not None and not held.is_closed():
-                    await release(held)
+                if held is not None:
+                    await unlock_row(held)
 
         rows = {r["id"]: r for r in await world.admin.fetch("SELECT * FROM export_jobs")}
         assert {job: rows[job]["status"] for job in results} == {

@@ -16,10 +16,11 @@ from temporalio.service import RPCError
 
 from activities.contracts import ExportResult
 from starter.client import ExportsClient
+from store.db import asyncpg_dsn
 from store.models import Status
 from tests.helpers.events import stop_latency
 from tests.helpers.harness import Harness, building
-from tests.helpers.support import eventually
+from tests.helpers.support import eventually, lock_row, unlock_row
 from workflows.identity import EXPORT_STATUS, export_workflow_id
 
 BOUND = 30.0
@@ -265,10 +266,8 @@ async def test_a_cancel_signal_that_finds_the_row_busy_is_asked_again_and_then_s
     h = slow_build_harness
     job_id = await h.create()
     await building(h, job_id)
-    locker = await h.db.connect("owner")
+    locker = await lock_row(asyncpg_dsn(h.db.url("owner")), job_id)
     try:
-        await locker.execute("BEGIN")
-        await locker.execute("SELECT 1 FROM export_jobs WHERE id = $1 FOR UPDATE", job_id)
         handle = h.client.get_workflow_handle(export_workflow_id(job_id), result_type=ExportResult)
         request_id = uuid.uuid4()
         await handle.signal("cancel", {"request_id": str(request_id), "tenant": str(h.tenant_id),
@@ -278,8 +277,7 @@ async def test_a_cancel_signal_that_finds_the_row_busy_is_asked_again_and_then_s
         assert busy  # the lock outlasted lock_timeout: nothing recorded yet
         assert await h.db.admin.fetchval("SELECT count(*) FROM cancellation_requests") == 0
     finally:
-        await locker.execute("ROLLBACK")
-        await locker.close()
+        await unlock_row(locker)
     row = await h.settled(job_id)
     assert row.status is Status.STOPPED and row.stop_request_id == request_id
     assert await h.db.admin.fetchval("SELECT count(*) FROM cancellation_requests") == 1
