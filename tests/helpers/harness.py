@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sys
 import uuid
@@ -21,9 +20,9 @@ from starter.localstack.partner import LocalPartner
 from store import outbox
 from store.jobs import JobStore
 from store.models import JobRow, Status
-from store.settings import Settings, as_env
+from store.settings import Settings
 from tests.helpers.partner import outbound
-from tests.helpers.support import built_files, eventually, seed_tenant
+from tests.helpers.support import built_files, eventually, process_env, seed_tenant
 from worker import running_worker
 from workflows.identity import export_workflow_id
 
@@ -153,10 +152,9 @@ class WorkerProcess:
         self.process: asyncio.subprocess.Process | None = None
 
     async def start(self) -> WorkerProcess:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("EXPORTS_")}
         self.log_path = Path(self.settings.work_dir) / f"worker-{uuid.uuid4().hex[:6]}.log"
         self.process = await processes.spawn(
-            sys.executable, "-m", "worker", log_path=self.log_path, env={**env, **as_env(self.settings)},
+            sys.executable, "-m", "worker", log_path=self.log_path, env=process_env(self.settings),
             cwd=str(Path(__file__).resolve().parents[2]))
         return self
 

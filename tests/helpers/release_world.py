@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -24,9 +23,9 @@ from starter.localstack import processes
 from starter.localstack.partner import LocalPartner
 from starter.localstack.temporal import temporal_binary
 from store.db import asyncpg_dsn
-from store.settings import Settings, as_env
+from store.settings import Settings
 from tests.helpers.releases import ROOT, ReleaseCode
-from tests.helpers.support import Ran, eventually, run_command, seed_tenant
+from tests.helpers.support import Ran, eventually, process_env, run_command, seed_tenant
 from workflows.identity import export_workflow_id
 
 # Every process of a world, whichever release: seconds, not minutes, so that a lease lapses while a test watches.
@@ -100,16 +99,14 @@ class ReleaseWorld:
 
     async def todays_command(self, *args: str, bound: float = 60, **overrides: object) -> Ran:
         """This checkout's `exports` command line, on this world."""
-        env = {**{k: v for k, v in os.environ.items() if not k.startswith("EXPORTS_")},
-               **as_env(self.settings(**overrides))}
-        return await run_command(str(Path(sys.executable).parent / "exports"), *args, env=env, cwd=ROOT, bound=bound)
+        return await run_command(str(Path(sys.executable).parent / "exports"), *args,
+                                 env=process_env(self.settings(**overrides)), cwd=ROOT, bound=bound)
 
     async def todays_worker(self, **overrides: object) -> ReleaseWorker:
         """A worker process of this checkout's code."""
         log_path = self.work_dir / f"worker-today-{uuid.uuid4().hex[:6]}.log"
-        env = {**{k: v for k, v in os.environ.items() if not k.startswith("EXPORTS_")},
-               **as_env(self.settings(**overrides))}
-        process = await processes.spawn(sys.executable, "-m", "worker", log_path=log_path, env=env, cwd=str(ROOT))
+        process = await processes.spawn(sys.executable, "-m", "worker", log_path=log_path,
+                                        env=process_env(self.settings(**overrides)), cwd=str(ROOT))
         worker = ReleaseWorker(process, log_path)
         self.workers.append(worker)
         return worker

@@ -11,7 +11,6 @@ which `release_code` checks.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -24,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from starter.localstack import processes
-from store.settings import Settings, as_env
-from tests.helpers.support import Ran, run_command
+from store.settings import Settings
+from tests.helpers.support import Ran, process_env, run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 CHANGELOG = ROOT / "CHANGELOG.md"
@@ -43,15 +42,15 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
 
 
-def _version_of(pyproject: str) -> str:
+def version_of(pyproject: str) -> str:
     return tomllib.loads(pyproject)["project"]["version"]
 
 
 def current_version() -> str:
-    return _version_of((ROOT / "pyproject.toml").read_text())
+    return version_of((ROOT / "pyproject.toml").read_text())
 
 
-def _release_commit(version: str, named: str | None) -> str:
+def release_commit(version: str, named: str | None) -> str:
     for ref in ([named] if named else []) + [f"v{version}"]:
         try:
             return _git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
@@ -61,7 +60,7 @@ def _release_commit(version: str, named: str | None) -> str:
                                   "`git fetch --unshallow`)") from None
     # No tag: the newest commit of this history whose pyproject.toml names the version.
     for commit in _git("log", "--format=%H", "--", "pyproject.toml").splitlines():
-        if _version_of(_git("show", f"{commit}:pyproject.toml")) == version:
+        if version_of(_git("show", f"{commit}:pyproject.toml")) == version:
             newer = _git("log", "--format=%H", f"{commit}..HEAD", "--", "pyproject.toml").splitlines()
             # The release is the last commit before the version moved on (or HEAD, if it never did).
             return _git("rev-parse", f"{newer[-1]}^") if newer else _git("rev-parse", "HEAD")
@@ -69,7 +68,7 @@ def _release_commit(version: str, named: str | None) -> str:
                       "`git fetch --unshallow`)")
 
 
-def _entries() -> list[tuple[str, str | None]]:
+def changelog_entries() -> list[tuple[str, str | None]]:
     """(version, the commit its `Commit:` line names, if any) of every CHANGELOG.md entry, newest first."""
     return [(entry["version"], (named := _COMMIT.search(entry["body"])) and named["commit"])
             for entry in _ENTRY.finditer(CHANGELOG.read_text())]
@@ -97,9 +96,9 @@ def rollback_declared_unsupported(previous: Release) -> bool:
 def previous_release() -> Release:
     """The newest release before the code of this checkout."""
     current = current_version()
-    for version, named in _entries():
+    for version, named in changelog_entries():
         if version != current:
-            return Release(version, _release_commit(version, named))
+            return Release(version, release_commit(version, named))
     raise LookupError("CHANGELOG.md names no release before this one")
 
 
@@ -143,14 +142,10 @@ class ReleaseCode:
     release: Release
     tree: Path
 
-    def env(self, settings: Settings) -> dict[str, str]:
-        inherited = {k: v for k, v in os.environ.items() if not k.startswith("EXPORTS_")}
-        return {**inherited, **as_env(settings)}
-
     async def command(self, *args: str, settings: Settings, bound: float = 60) -> Ran:
         """The release's own `exports` command line (its console script would import this checkout's)."""
         ran = await run_command(sys.executable, "-c", _OWN_CODE_ONLY + "from starter.cli import main; main()", *args,
-                                env=self.env(settings), cwd=self.tree, bound=bound)
+                                env=process_env(settings), cwd=self.tree, bound=bound)
         if ran.code == -6 and ran.stdout.strip():
             # 0.1.0's commands could abort in the interpreter's teardown after their answer was printed (the SDK's
             # threads at exit, temporalio/sdk-python#300; fixed in 0.2.0 by exiting without it): the answer stands.
@@ -158,20 +153,20 @@ class ReleaseCode:
         return ran
 
     async def python(self, code: str, *, settings: Settings, bound: float = 60) -> Ran:
-        return await run_command(sys.executable, "-c", _OWN_CODE_ONLY + code, env=self.env(settings), cwd=self.tree,
+        return await run_command(sys.executable, "-c", _OWN_CODE_ONLY + code, env=process_env(settings), cwd=self.tree,
                                  bound=bound)
 
     async def replay(self, histories: list[Path], *, bound: float = 120) -> list[str]:
         """Replays histories on the release's own workflow code (every workflow class in its workflows/, the
         pydantic converter); the failures, one line each."""
         ran = await run_command(sys.executable, "-c", _OWN_CODE_ONLY + _REPLAY, *map(str, histories),
-                                env=self.env(Settings(_env_file=None)), cwd=self.tree, bound=bound)
+                                env=process_env(Settings(_env_file=None)), cwd=self.tree, bound=bound)
         assert ran.code == 0, ran
         return json.loads(ran.stdout.strip().splitlines()[-1])
 
     async def spawn_worker(self, settings: Settings, log_path: Path):
         start = _OWN_CODE_ONLY + "import runpy; runpy.run_module('worker', run_name='__main__', alter_sys=True)"
-        return await processes.spawn(sys.executable, "-c", start, log_path=log_path, env=self.env(settings),
+        return await processes.spawn(sys.executable, "-c", start, log_path=log_path, env=process_env(settings),
                                      cwd=str(self.tree))
 
 

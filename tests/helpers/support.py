@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -14,6 +15,7 @@ import pytest
 
 from starter.localstack.seed import seed_contacts, seed_destination
 from store.jobs import JobStore
+from store.settings import Settings, as_env
 
 # The chaos run's report, which conftest prints at the end of the session whether the run passed or failed.
 CHAOS_REPORT = pytest.StashKey[str]()
@@ -85,6 +87,12 @@ async def delivery_evidence(admin: asyncpg.Connection, job_id: uuid.UUID) -> lis
     rows = await admin.fetch("SELECT detail FROM export_attempt_events WHERE job_id = $1 "
                              "AND kind = 'DeliveryEvidence' ORDER BY id", job_id)
     return [r["detail"] for r in rows]
+
+
+def process_env(settings: Settings) -> dict[str, str]:
+    """The environment of a process that reads exactly these settings (and no EXPORTS_* of this one), whichever
+    release it runs."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("EXPORTS_")}, **as_env(settings)}
 
 
 class Ran:

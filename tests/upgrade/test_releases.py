@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.helpers.releases import CHANGELOG, ROOT, _entries, _release_commit, _version_of, current_version
+from tests.helpers.releases import CHANGELOG, ROOT, changelog_entries, current_version, release_commit, version_of
 from tests.replay.history_files import HISTORIES
 
 
@@ -24,7 +24,7 @@ def git(*args: str) -> str:
 
 @pytest.mark.spec("UP6")
 def test_releases__this_version_has_its_upgrade_and_rollback_notes():
-    versions = [version for version, _ in _entries()]
+    versions = [version for version, _ in changelog_entries()]
     current = current_version()
     assert versions[0] == current, "the newest CHANGELOG.md entry is pyproject.toml's version"
     notes = entry(current)
@@ -34,10 +34,10 @@ def test_releases__this_version_has_its_upgrade_and_rollback_notes():
 
 
 @pytest.mark.spec("UP6")
-@pytest.mark.parametrize("version,named", [e for e in _entries() if e[0] != current_version()])
+@pytest.mark.parametrize("version,named", [e for e in changelog_entries() if e[0] != current_version()])
 def test_releases__each_earlier_release_is_a_commit_carrying_its_version_and_its_histories(version, named):
-    commit = _release_commit(version, named)
-    assert _version_of(git("show", f"{commit}:pyproject.toml")) == version
+    commit = release_commit(version, named)
+    assert version_of(git("show", f"{commit}:pyproject.toml")) == version
     tags = git("tag", "--list", f"v{version}")
     if tags:  # a clone may carry no tags: then the history alone names the commit
         assert git("rev-parse", f"v{version}^{{commit}}") == commit

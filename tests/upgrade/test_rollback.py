@@ -31,8 +31,6 @@ from tests.helpers.release_world import (
 from tests.helpers.releases import (
     ReleaseCode,
     current_version,
-    previous_release,
-    release_code,
     rollback_declared_unsupported,
 )
 from tests.helpers.support import eventually, lock_row, unlock_row
@@ -40,12 +38,6 @@ from tests.replay.history_files import HISTORIES
 
 BOUND = 120.0
 OPEN_EXPORT_RUNS = "WorkflowType = 'ExportWorkflow' AND ExecutionStatus = 'Running'"
-
-
-@pytest.fixture(scope="module")
-def previous():
-    with release_code(previous_release()) as code:
-        yield code
 
 
 async def open_export_runs(world: ReleaseWorld) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -33,19 +32,13 @@ from tests.helpers.release_world import (
     release_world,
     signal_cancel,
 )
-from tests.helpers.releases import ReleaseCode, previous_release, release_code
+from tests.helpers.releases import ReleaseCode
 from tests.helpers.support import eventually, lock_row, unlock_row
 from workflows.identity import EXPORT_STATUS, export_workflow_id
 
 # Slow enough that each export is caught in its step when the old worker stops (about 27 kB of contacts).
 SLOW = dict(build_throttle_bytes_per_second=3000, upload_throttle_bytes_per_second=3000)
 BOUND = 120.0
-
-
-@pytest.fixture(scope="module")
-def previous() -> AsyncIterator[ReleaseCode]:
-    with release_code(previous_release()) as code:
-        yield code
 
 
 async def building(world: ReleaseWorld, job_id: uuid.UUID) -> None:
