@@ -17,23 +17,31 @@ import os
 import signal
 import socket
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import TypedDict
 
 from temporalio.client import Client
-from temporalio.worker import Worker
+from temporalio.worker import Interceptor, Worker
 
-from activities import endpoint, metrics, tracing
 from activities.checkpoints import checkpoints_for
-from activities.dispatcher import OutboxDispatcher
 from activities.exports import ExportActivities
 from activities.interceptors import ClassifyStoreErrors
+from activities.process import endpoint, metrics, tracing
+from activities.process.dispatcher import OutboxDispatcher
+from activities.process.logs import configure_logging, settings_or_exit
+from activities.process.scavenger import keep_scavenging, scavenge
+from activities.process.temporal import (
+    CONNECT_TIMEOUT_SECONDS,
+    NotConfigured,
+    Unreachable,
+    connect_temporal,
+    exit_now,
+)
 from activities.recovery import RecoveryActivities
-from activities.scavenger import keep_scavenging, scavenge
 from starter import preflight
-from starter.temporal import CONNECT_TIMEOUT_SECONDS, NotConfigured, Unreachable, connect_temporal, exit_now
 from store import errors
 from store.db import asyncpg_dsn, make_engine
 from store.jobs import JobStore
@@ -52,6 +60,16 @@ WORKFLOWS = [ExportWorkflow, RecoveryWorkflow, SweeperWorkflow, PartnerSweepWork
 
 def workflow_interceptors() -> list[ClassifyStoreErrors]:
     return [ClassifyStoreErrors()]
+
+
+class WorkerOptions(TypedDict):
+    """What both of a process's Temporal workers (the shared queue's and its own) are given alike."""
+
+    max_heartbeat_throttle_interval: timedelta
+    default_heartbeat_throttle_interval: timedelta
+    interceptors: Sequence[Interceptor]
+    graceful_shutdown_timeout: timedelta
+    on_fatal_error: Callable[[BaseException], Awaitable[None]]
 
 
 def new_worker_id() -> str:
@@ -82,7 +100,7 @@ async def running_worker(
         store, Recovery(engine, max_attempts=settings.max_attempts, on_ended=metrics.ended), client=client)
     # Cancellation reaches an activity only with a heartbeat the SDK sends: keep them frequent (FACTS.md).
     throttle = timedelta(seconds=settings.heartbeat_throttle_seconds)
-    common = dict(
+    common = WorkerOptions(
         max_heartbeat_throttle_interval=throttle,
         default_heartbeat_throttle_interval=throttle,
         interceptors=workflow_interceptors(),
@@ -120,7 +138,7 @@ async def running_worker(
                     poll_seconds=settings.dispatcher_poll_seconds,
                 )
                 dispatcher_task = asyncio.create_task(dispatcher.run(stop), name="outbox-dispatcher")
-                dispatcher_task.add_done_callback(lambda task: stop.is_set() or _dispatcher_died(task))
+                dispatcher_task.add_done_callback(lambda task: None if stop.is_set() else _dispatcher_died(task))
                 health.dispatcher = dispatcher_task
             health.workers = (shared, own)
             scavenger = asyncio.create_task(
@@ -249,14 +267,10 @@ class OneLineFailures(logging.Filter):
 def configure_worker_logging(settings: Settings) -> None:
     """The worker's logs, whichever way it starts (`python -m worker`, `exports worker`): EXPORTS_LOG_FORMAT and
     EXPORTS_LOG_LEVEL, a failed activity attempt in one line."""
-    from starter.logs import configure_logging
-
     configure_logging(settings).addFilter(OneLineFailures())
 
 
 if __name__ == "__main__":
-    from starter.logs import settings_or_exit
-
     # A malformed setting is one line and exit status 2.
     configure_worker_logging(settings_or_exit(get_settings))
     try:

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import typer
@@ -17,15 +17,11 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.service import RPCError
 from typer.core import TyperGroup
 
-try:  # typer 0.2x carries its own click
-    from typer._click import exceptions as click_exceptions
-except ImportError:  # pragma: no cover - older typer on click
-    from click import exceptions as click_exceptions
-
 from activities.contracts import CancelRequest
+from activities.process.temporal import CONNECT_TIMEOUT_SECONDS, Unreachable, connect_temporal, exit_now
 from starter.client import (
     ExportsClient,
     ExportView,
@@ -36,6 +32,14 @@ from starter.client import (
     parse_id,
 )
 from starter.destinations import destinations_app
+from starter.exits import (
+    EXIT_BAD_INPUT,
+    EXIT_NOT_DONE,
+    EXIT_REFUSED,
+    EXIT_UNEXPECTED,
+    NoArgsIsHelpError,
+    answer,
+)
 from starter.preflight import (
     NOT_ALLOWED,
     CannotList,
@@ -46,31 +50,13 @@ from starter.preflight import (
     registered_search_attributes,
     wrong_type_line,
 )
-from starter.temporal import (
-    CONNECT_TIMEOUT_SECONDS,
-    Unreachable,
-    address_setting,
-    connect_temporal,
-    exit_now,
-    short_reason,
-)
-from store import errors
-from store.errors import StoreError
 from store.models import CancellationOutcome, CancellationResult
 from store.settings import Settings, get_settings
 from store.statements import RoleStore
 
 T = TypeVar("T")
 
-EXIT_UNEXPECTED = 1  # a bug: one line; EXPORTS_TRACEBACK=1 prints the traceback as well
-EXIT_BAD_INPUT = 2  # nothing was written
-EXIT_NOT_DONE = 3  # nothing changed (Busy, or the row moved on): read it again, retry with the same request ID
-EXIT_REFUSED = 4  # the database (or Temporal) refused it, e.g. a role that may not do this: nothing changed
-EXIT_UNREACHABLE = 5  # PostgreSQL or Temporal could not be reached (not configured, refused, silent)
-EXIT_INTERRUPTED = 130  # Ctrl-C
-
 MAX_LINE = 1000
-_UNAVAILABLE = (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED)
 
 
 def literal(value: object) -> str:
@@ -100,80 +86,27 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
     raise typer.Exit(code)
 
 
-def answer(exc: Exception) -> tuple[int, str]:
-    """The exit status and the one line for an exception that ended a command."""
-    if isinstance(exc, InputError):
-        return EXIT_BAD_INPUT, f"error: {exc}"
-    if isinstance(exc, Unreachable):
-        return EXIT_UNREACHABLE, f"unreachable: {exc}; nothing was written"
-    if isinstance(exc, SignalNotSent):
-        if exc.error.status in _UNAVAILABLE:
-            code, prefix = EXIT_UNREACHABLE, f"unreachable: Temporal ({address_setting()})"
-        else:
-            code, prefix = EXIT_REFUSED, "refused by Temporal"
-        return code, (f"{prefix}: {exc}; the cancellation stands (the row decides): run the same command with "
-                      f"--request-id {exc.result.request_id} to signal the workflow again")
-    if isinstance(exc, RPCError):
-        if exc.status in _UNAVAILABLE:
-            return EXIT_UNREACHABLE, f"unreachable: Temporal ({address_setting()}): {exc.message}"
-        return EXIT_REFUSED, f"refused by Temporal: {exc.message}"
-    if isinstance(exc, StoreError):  # a definite refusal from the database, e.g. a role that may not do this
-        return EXIT_REFUSED, f"refused: {exc}"
-    if errors.is_uncertain(exc) and _from_database(exc):
-        return EXIT_UNREACHABLE, (f"unreachable: the connection to PostgreSQL was lost during the command "
-                                  f"({short_reason(exc)}); it may or may not have been recorded: read the export "
-                                  f"again (exports show) before retrying")
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return EXIT_UNREACHABLE, f"unreachable: a connection was lost or not answered ({short_reason(exc)})"
-    server = errors.postgres_error(exc)
-    if server is not None:  # the server answered and refused the statement; its transaction rolled back
-        return EXIT_REFUSED, f"refused by PostgreSQL: {server}"
-    return EXIT_UNEXPECTED, (f"error: unexpected {type(exc).__name__}: {exc} (a bug; EXPORTS_TRACEBACK=1 prints "
-                             f"the traceback)")
-
-
-def _from_database(exc: BaseException) -> bool:
-    """Whether the driver or SQLAlchemy raised it, or wrapped it, on the way out."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if type(current).__module__.split(".")[0] in ("asyncpg", "sqlalchemy"):
-            return True
-        seen.add(id(current))
-        current = getattr(current, "orig", None) or current.__cause__ or current.__context__
-    return False
-
-
 class ExportsGroup(TyperGroup):
     """The root command: turns every way a command can end into one line and an exit status."""
 
-    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
-             standalone_mode: bool = True, **extra: Any) -> Any:
-        code = self._exit_status(args, prog_name, complete_var, **extra)
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, windows_expand_args: bool = True, **extra: Any) -> Any:
+        code = self._exit_status(args, prog_name, complete_var, windows_expand_args=windows_expand_args, **extra)
         if standalone_mode:
             sys.exit(code)
         return code
 
-    def _exit_status(self, args: Any, prog_name: str | None, complete_var: str | None, **extra: Any) -> int:
+    def _exit_status(self, args: Sequence[str] | None, prog_name: str | None, complete_var: str | None,
+                     **extra: Any) -> int:
         try:
             result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
             return result if isinstance(result, int) else 0  # typer.Exit(code) comes back as its code
-        except click_exceptions.NoArgsIsHelpError as exc:  # a bare `exports`: its help, as --help prints it
+        except NoArgsIsHelpError as exc:  # a bare `exports`: its help, as --help prints it
             text = exc.ctx.get_help()
             if text:
                 print(text)
             return 0
-        except click_exceptions.UsageError as exc:
-            hint = f" (see {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
-            say(f"error: {exc.format_message()}{hint}")
-            return EXIT_BAD_INPUT
-        except click_exceptions.ClickException as exc:
-            say(f"error: {exc.format_message()}")
-            return EXIT_BAD_INPUT
-        except typer.Abort:
-            say("interrupted")
-            return EXIT_INTERRUPTED
-        except Exception as exc:
+        except Exception as exc:  # a usage error, Ctrl-C (click's Abort), or whatever ended the command
             code, line = answer(exc)
             if code == EXIT_UNEXPECTED and os.environ.get("EXPORTS_TRACEBACK") == "1":
                 traceback.print_exc()
@@ -358,6 +291,7 @@ def cancel(
     if result.outcome is CancellationOutcome.BUSY:
         fail(f"could not tell: the export is busy and nothing was recorded; retry with "
              f"--request-id {result.request_id}", EXIT_NOT_DONE)
+    assert result.found_status is not None  # a recorded request names the state it found the export in
     console.print(f"{result.outcome.value} (request {result.request_id}, found {result.found_status.value})")
 
 

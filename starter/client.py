@@ -10,16 +10,18 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError
 from sqlalchemy import event
+from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.pool import ConnectionPoolEntry
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.contracts import CancelRequest, CreateExport, ExportInput, ExportResult, Name, Text
-from starter.temporal import CONNECT_TIMEOUT_SECONDS, Unreachable
+from activities.process.temporal import CONNECT_TIMEOUT_SECONDS, Unreachable
 from store import errors
 from store.db import make_engine
 from store.jobs import JobStore
@@ -111,7 +113,8 @@ def parse_id(value: str | uuid.UUID, what: str) -> uuid.UUID:
         raise InputError(f"{what} {shown(value)} is not a UUID") from None
 
 
-def _attempt_ids(tenant_id: object, job_id: object, attempt_id: object) -> dict[str, uuid.UUID]:
+def _attempt_ids(tenant_id: str | uuid.UUID, job_id: str | uuid.UUID,
+                 attempt_id: str | uuid.UUID) -> dict[str, uuid.UUID]:
     return {
         "tenant_id": parse_id(tenant_id, "tenant ID"),
         "job_id": parse_id(job_id, "job ID"),
@@ -119,7 +122,10 @@ def _attempt_ids(tenant_id: object, job_id: object, attempt_id: object) -> dict[
     }
 
 
-def _validated(model: type, what: str, **values: Any):
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def _validated(model: type[Model], what: str, **values: Any) -> Model:
     try:
         return model(**values)
     except ValidationError as exc:
@@ -222,7 +228,8 @@ class ExportsClient:
             result_type=ExportResult,
         )
 
-    def _creation(self, tenant_id, destination_id, created_by, delivery_key, job_id) -> CreateExport:
+    def _creation(self, tenant_id: str | uuid.UUID, destination_id: str | uuid.UUID, created_by: str,
+                  delivery_key: str | None, job_id: str | uuid.UUID | None) -> CreateExport:
         job = parse_id(job_id, "job ID") if job_id is not None else uuid.uuid4()
         return _validated(
             CreateExport,
@@ -476,7 +483,8 @@ def database_engine(url: str, setting: str, *, pool_size: int) -> AsyncEngine:
         raise Unreachable("PostgreSQL", setting, "", f"not a usable URL: {str(exc).splitlines()[0]}") from None
 
     @event.listens_for(engine.sync_engine, "do_connect")
-    def _bounded(dialect, connection_record, cargs, cparams) -> None:
+    def _bounded(dialect: Dialect, connection_record: ConnectionPoolEntry, cargs: list[Any],
+                 cparams: dict[str, Any]) -> None:
         cparams.setdefault("timeout", CONNECT_TIMEOUT_SECONDS)
 
     return engine

@@ -32,6 +32,7 @@ from activities.partner_connection import HostKeyMismatch, connect, load_client_
 from activities.partner_delivery import TEMP_NAME
 from activities.sftp_check_file import CheckFileError, check_file_sha256
 from starter.client import InputError, parse_id
+from starter.exits import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, DatabaseFailure, answer, gist
 from store import errors
 from store.db import make_engine
 from store.destinations import DestinationNotFound, Destinations
@@ -39,11 +40,6 @@ from store.jobs import JobStore
 from store.settings import get_settings
 
 T = TypeVar("T")
-
-EXIT_CHECK_FAILED = 1  # `check` found what would stop a delivery
-EXIT_BAD_INPUT = 2
-EXIT_REFUSED = 4  # the database refused (a role that may not write destinations)
-EXIT_UNREACHABLE = 5  # the database could not be reached (as every `exports` command answers it)
 
 # What `add` writes when not told otherwise: the table's defaults.
 DEFAULTS: dict[str, Any] = {"enabled": True, "name_and_size_identify": False, "hash_evidence": "none",
@@ -205,8 +201,7 @@ def _count(names: list[str], one: str, many: str) -> str:
 
 
 def _describe(exc: BaseException) -> str:
-    text = str(getattr(exc, "reason", "") or exc).strip().splitlines()
-    return f"{type(exc).__name__}: {_shown(text[0])}" if text else type(exc).__name__
+    return _shown(gist(exc))
 
 
 def _shown(text: object) -> str:
@@ -246,14 +241,11 @@ def _run(body: Callable[[AsyncEngine], Awaitable[T]], *, owner: bool) -> T:
 
     try:
         return asyncio.run(main())
-    except InputError as exc:
-        fail(f"error: {_shown(exc)}", EXIT_BAD_INPUT)
-    except (SQLAlchemyError, OSError, errors.StoreError) as exc:
-        answer = exc if isinstance(exc, errors.StoreError) else errors.translate(exc)
-        if isinstance(answer, errors.StoreError):  # a definite refusal, e.g. a role that may not write
-            fail(f"refused: {_shown(answer)}", EXIT_REFUSED)
-        fail(f"unreachable: the database: {_describe(errors.postgres_error(exc) or exc)}; nothing was written",
-             EXIT_UNREACHABLE)
+    except (InputError, errors.StoreError) as exc:
+        code, line = answer(exc)
+    except (SQLAlchemyError, OSError) as exc:  # no connection check first: starter/exits.py says what it means
+        code, line = answer(DatabaseFailure(exc))
+    fail(_shown(line), code)
 
 
 def _app_store(engine: AsyncEngine) -> JobStore:

@@ -16,15 +16,19 @@ import os
 import signal
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 import asyncpg
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+from temporalio.client import Client
 
 from activities.contracts import ExportResult
+from activities.process.temporal import connect_temporal
 from starter.client import ExportsClient
 from starter.localstack import processes
 from starter.localstack.partner import LocalPartner
@@ -33,9 +37,8 @@ from starter.localstack.postgres import LocalPostgres
 from starter.localstack.seed import seed_contacts, seed_destination
 from starter.localstack.temporal import LocalTemporal
 from starter.schedules import install_schedules
-from starter.temporal import connect_temporal
 from store.db import asyncpg_dsn, migrate
-from store.models import CancellationOutcome, JobRow, Status
+from store.models import CancellationOutcome, CancellationResult, JobRow, Status
 from store.settings import LOCAL_ENV_FILE, Settings, as_env
 from workflows.identity import export_workflow_id, job_id_of
 
@@ -48,8 +51,17 @@ DEMO_TENANT = uuid.UUID("00000000-0000-4000-8000-00000000d3e0")
 DEMO_DESTINATION = uuid.UUID("00000000-0000-4000-8000-00000000de51")
 PAUSED_DESTINATION = uuid.UUID("00000000-0000-4000-8000-00000000de52")
 DEMO_CONTACTS = 20_000  # about 1.8 MB of CSV
+
+
+class Pace(TypedDict):
+    """The settings that pace builds and uploads, in bytes per second."""
+
+    build_throttle_bytes_per_second: int
+    upload_throttle_bytes_per_second: int
+
+
 # Paced so that a person (and the demo) can cancel an export while it builds and while it uploads.
-DEMO_PACE = {"build_throttle_bytes_per_second": 400_000, "upload_throttle_bytes_per_second": 400_000}
+DEMO_PACE = Pace(build_throttle_bytes_per_second=400_000, upload_throttle_bytes_per_second=400_000)
 TIMEOUT = 120.0
 
 
@@ -87,7 +99,8 @@ async def run_dev() -> int:
                             **DEMO_PACE)
         _write_local_env(settings)
         destinations = await _seed(postgres, partner)
-        client = ExportsClient.from_settings(settings, await connect_temporal(settings))
+        temporal_client = await connect_temporal(settings)
+        client = ExportsClient.from_settings(settings, temporal_client)
         try:
             # Before any worker runs: an export canceled while it is queued, deterministically.
             queued = await _create(client, destinations["enabled"], "cancel while queued", Status.CANCELED)
@@ -95,10 +108,10 @@ async def run_dev() -> int:
             queued.cancel_outcome = (await _cancel(client, queued)).outcome
 
             worker = await _start_worker(settings)
-            await install_schedules(client.temporal, settings)
+            await install_schedules(temporal_client, settings)
             console.print(f"worker pid {worker.pid}, metrics http://127.0.0.1:{settings.http_port}/metrics; "
                           f"Temporal UI: [link]{temporal.ui_url}[/link]")
-            exports = await _run_demo(client, destinations, [queued])
+            exports = await _run_demo(client, temporal_client, destinations, [queued])
             ok = await _verify(exports, partner.root)
         finally:
             await client.close()
@@ -127,6 +140,18 @@ async def _ensure_database(postgres: LocalPostgres) -> None:
         await admin.close()
 
 
+class _PartnerFields(TypedDict):
+    """Where the local partner is and how to reach it, as both demo destinations name it."""
+
+    host: str
+    port: int
+    username: str
+    final_dir: str
+    temp_dir: str
+    host_key: str
+    credential_ref: str
+
+
 async def _seed(postgres: LocalPostgres, partner: LocalPartner) -> dict[str, uuid.UUID]:
     """The demo tenant's contacts once; its destinations every run, since the partner's port changes."""
     conn = await asyncpg.connect(asyncpg_dsn(postgres.url("owner", DATABASE)))
@@ -134,8 +159,8 @@ async def _seed(postgres: LocalPostgres, partner: LocalPartner) -> dict[str, uui
         if not await conn.fetchval("SELECT 1 FROM contacts WHERE tenant_id = $1 LIMIT 1", DEMO_TENANT):
             await seed_contacts(conn, DEMO_TENANT, DEMO_CONTACTS)
         dest = partner.destination()
-        fields = dict(host=dest.host, port=dest.port, username=dest.username, final_dir=dest.final_dir,
-                      temp_dir=dest.temp_dir, host_key=dest.host_key, credential_ref=dest.credential_ref)
+        fields = _PartnerFields(host=dest.host, port=dest.port, username=dest.username, final_dir=dest.final_dir,
+                                temp_dir=dest.temp_dir, host_key=dest.host_key, credential_ref=dest.credential_ref)
         return {
             # The local partner offers check-file-name, so the demo's deliveries are confirmed by its SHA-256.
             "enabled": await seed_destination(conn, DEMO_TENANT, name="demo partner", hash_evidence="check_file",
@@ -172,13 +197,13 @@ async def _start(client: ExportsClient, destination: uuid.UUID, label: str, expe
     return DemoExport(label=label, expected=expected, job_id=uuid.UUID(job_id_of(handle.id)))
 
 
-async def _cancel(client: ExportsClient, export: DemoExport):
+async def _cancel(client: ExportsClient, export: DemoExport) -> CancellationResult:
     return await client.cancel(tenant_id=DEMO_TENANT, job_id=export.job_id, requested_by="operator@make-run",
                                reason=f"demo: {export.label}")
 
 
 async def _run_demo(
-    client: ExportsClient, destinations: dict[str, uuid.UUID], exports: list[DemoExport]
+    client: ExportsClient, temporal: Client, destinations: dict[str, uuid.UUID], exports: list[DemoExport]
 ) -> list[DemoExport]:
     enabled = destinations["enabled"]
     exports += [await _start(client, enabled, f"plain export {n}", Status.COMPLETED) for n in (1, 2, 3)]
@@ -211,8 +236,7 @@ async def _run_demo(
             ), timeout=TIMEOUT)
             for export in exports:
                 await _wait_for(client, export.job_id, lambda r: r.status.is_settled)
-                handle = client.temporal.get_workflow_handle(export_workflow_id(export.job_id),
-                                                             result_type=ExportResult)
+                handle = temporal.get_workflow_handle(export_workflow_id(export.job_id), result_type=ExportResult)
                 export.result = await asyncio.wait_for(handle.result(), timeout=TIMEOUT)
         finally:
             refresher.cancel()
@@ -224,7 +248,7 @@ async def _run_demo(
     return exports
 
 
-async def _wait_for(client: ExportsClient, job_id: uuid.UUID, predicate) -> JobRow:
+async def _wait_for(client: ExportsClient, job_id: uuid.UUID, predicate: Callable[[JobRow], bool]) -> JobRow:
     async with asyncio.timeout(TIMEOUT):
         while True:
             row = await client.store.read_job(job_id)
@@ -262,6 +286,7 @@ async def _verify(exports: list[DemoExport], partner_root: Path) -> bool:
             ok = False
         if row is None:
             continue
+        assert row.final_name is not None  # written at creation by this release (None only in 0.1.0's rows)
         final = partner_root / "outbound" / row.final_name
         if row.status is Status.COMPLETED:
             if not final.exists():

@@ -26,7 +26,7 @@ from temporalio.api.workflowservice.v1 import CountWorkflowExecutionsRequest
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
-from starter.temporal import CONNECT_TIMEOUT_SECONDS, short_reason, temporal_target
+from activities.process.temporal import CONNECT_TIMEOUT_SECONDS, short_reason, temporal_target
 from store import errors
 from store.db import (
     asyncpg_dsn,
@@ -68,14 +68,14 @@ class Away(Exception):
 # --- search attributes ------------------------------------------------------------------------------------------
 
 
-def kind_name(value: int) -> str:
+def kind_name(value: IndexedValueType.ValueType) -> str:
     """An IndexedValueType as `temporal operator search-attribute create --type` spells it (Keyword, Int, ...)."""
     return IndexedValueType.Name(value).removeprefix("INDEXED_VALUE_TYPE_").title().replace("_", "")
 
 
 def expected_search_attributes() -> dict[str, str]:
     """{name: kind} of every search attribute this release's workflows set."""
-    return {key.name: kind_name(int(key.indexed_value_type)) for key in SEARCH_ATTRIBUTES}
+    return {key.name: kind_name(IndexedValueType.ValueType(key.indexed_value_type)) for key in SEARCH_ATTRIBUTES}
 
 
 def create_commands(namespace: str, attributes: dict[str, str]) -> str:
@@ -205,12 +205,13 @@ async def register_search_attributes(client: Client, *, again: bool = True) -> R
     found = await registered_search_attributes(client)
     done = Registered()
     for name, kind in expected.items():
-        if found[name] is None:
+        has = found[name]
+        if has is None:
             done.added[name] = kind
-        elif found[name] == kind:
+        elif has == kind:
             done.present[name] = kind
         else:
-            done.conflicting[name] = found[name]
+            done.conflicting[name] = has
     if done.added:
         request = AddSearchAttributesRequest(
             namespace=client.namespace,

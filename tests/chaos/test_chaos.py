@@ -40,7 +40,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError
 
 from activities.contracts import TEMPORAL_CANCEL_OPERATOR, ExportResult, PartnerSweepOutput
-from activities.scavenger import scavenge
+from activities.process.scavenger import scavenge
 from starter.localstack.ports import free_port
 from starter.localstack.seed import seed_destination
 from starter.localstack.temporal import LocalTemporal

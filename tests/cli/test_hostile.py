@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from temporalio.service import RPCError, RPCStatusCode
 from typer.testing import CliRunner
 
-from starter import cli
+from starter import cli, exits
 from starter.client import ExportsClient, SignalNotSent
 from store.models import FailureCode, Status
 from store.settings import get_settings
@@ -183,14 +183,14 @@ def postgres_at(port: int) -> dict[str, str]:
 async def test_an_unreachable_postgresql_is_one_line_and_exit_5(world, closed_port, command):
     args = commands(world)[command]
     ran = await exports({**world["env"], **postgres_at(closed_port)}, *args, cwd=world["cwd"])
-    assert_answered(ran, cli.EXIT_UNREACHABLE, "PostgreSQL")
+    assert_answered(ran, exits.EXIT_UNREACHABLE, "PostgreSQL")
     assert ran.seconds < ANSWER_BOUND, ran
 
 
 async def test_a_silent_postgresql_is_answered_within_the_connection_bound(world, silent_port):
     before = await snapshot(world["db"])
     ran = await exports({**world["env"], **postgres_at(silent_port)}, *commands(world)["create"], cwd=world["cwd"])
-    assert_answered(ran, cli.EXIT_UNREACHABLE, "PostgreSQL", "no answer within 5 s")
+    assert_answered(ran, exits.EXIT_UNREACHABLE, "PostgreSQL", "no answer within 5 s")
     assert ran.seconds < ANSWER_BOUND, ran
     assert await snapshot(world["db"]) == before
 
@@ -201,7 +201,7 @@ async def test_an_unreachable_temporal_is_one_line_exit_5_and_writes_nothing(wor
     before = await snapshot(world["db"])
     ran = await exports({**world["env"], "EXPORTS_TEMPORAL_ADDRESS": f"127.0.0.1:{closed_port}",
                          "EXPORTS_TASK_QUEUE": f"hi6-{uuid.uuid4().hex[:8]}"}, *args, cwd=world["cwd"])
-    assert_answered(ran, cli.EXIT_UNREACHABLE, "Temporal")
+    assert_answered(ran, exits.EXIT_UNREACHABLE, "Temporal")
     assert ran.seconds < ANSWER_BOUND, ran
     assert await snapshot(world["db"]) == before
 
@@ -210,7 +210,7 @@ async def test_a_silent_temporal_is_answered_within_the_connection_bound(world, 
     before = await snapshot(world["db"])
     ran = await exports({**world["env"], "EXPORTS_TEMPORAL_ADDRESS": f"127.0.0.1:{silent_port}"},
                         *commands(world)["list"], cwd=world["cwd"])
-    assert_answered(ran, cli.EXIT_UNREACHABLE, "Temporal", "no answer within 5 s")
+    assert_answered(ran, exits.EXIT_UNREACHABLE, "Temporal", "no answer within 5 s")
     assert ran.seconds < ANSWER_BOUND, ran
     assert await snapshot(world["db"]) == before
 
@@ -245,13 +245,13 @@ async def test_a_missing_or_unusable_address_is_one_line_and_exit_5(world, varia
     args = commands(world)["list" if "TEMPORAL" in variable else "create"]
     before = await snapshot(world["db"])
     ran = await exports({**world["env"], variable: value}, *args, cwd=world["cwd"])
-    assert_answered(ran, cli.EXIT_UNREACHABLE, variable)
+    assert_answered(ran, exits.EXIT_UNREACHABLE, variable)
     assert await snapshot(world["db"]) == before
 
 
 async def test_a_malformed_setting_is_one_line_and_exit_2(world):
     ran = await exports({**world["env"], "EXPORTS_LEASE_SECONDS": "soon"}, "show", world["job"], cwd=world["cwd"])
-    assert_answered(ran, cli.EXIT_BAD_INPUT, "EXPORTS_LEASE_SECONDS")
+    assert_answered(ran, exits.EXIT_BAD_INPUT, "EXPORTS_LEASE_SECONDS")
 
 
 # --- numbers and malformed values: exit status 2 ------------------------------------------------------------------
@@ -263,20 +263,20 @@ async def test_an_edit_version_outside_what_the_column_stores_is_bad_input(world
     before = await snapshot(world["db"])
     ran = await run(world, "edit", world["job"], "--tenant", world["tenant"], "--version", version,
                     "--destination", world["destination"], process=version == "99999999999")
-    assert_answered(ran, cli.EXIT_BAD_INPUT, "error: ", "version")
+    assert_answered(ran, exits.EXIT_BAD_INPUT, "error: ", "version")
     assert await snapshot(world["db"]) == before
 
 
 async def test_the_largest_storable_version_is_asked_and_answered_not_changed(world):
     ran = await exports(world["env"], "edit", world["job"], "--tenant", world["tenant"], "--version",
                         str(INT4_MAX), "--destination", world["destination"], cwd=world["cwd"])
-    assert_answered(ran, cli.EXIT_NOT_DONE, "not changed")
+    assert_answered(ran, exits.EXIT_NOT_DONE, "not changed")
 
 
 @pytest.mark.parametrize("limit", ["0", "1001", "-5", "99999999999999999999", "many"])
 async def test_a_list_limit_out_of_range_is_bad_input(world, limit):
     ran = await run(world, "list", "--limit", limit, process=limit == "0")
-    assert_answered(ran, cli.EXIT_BAD_INPUT, "error: ", "limit")
+    assert_answered(ran, exits.EXIT_BAD_INPUT, "error: ", "limit")
 
 
 @pytest.mark.parametrize("args", [
@@ -291,7 +291,7 @@ async def test_a_list_limit_out_of_range_is_bad_input(world, limit):
 async def test_malformed_command_lines_are_one_line_and_exit_2(world, args):
     before = await snapshot(world["db"])
     ran = await run(world, *args, process=args == ["create", "--tenant", "t"])
-    assert_answered(ran, cli.EXIT_BAD_INPUT, "error: ")
+    assert_answered(ran, exits.EXIT_BAD_INPUT, "error: ")
     assert await snapshot(world["db"]) == before
 
 
@@ -342,7 +342,7 @@ async def test_hostile_operator_text_is_bad_input_and_writes_nothing(world, comm
     before = await snapshot(world["db"])
     for value in ["   ", "\t", "\n", "x" * LONG.get(option, 2001), "ok\x1b[2J\x1b]0;owned\x07", "ok\x9b31m"]:
         ran = await run(world, *with_value(world, command, option, value), process=False)
-        assert_answered(ran, cli.EXIT_BAD_INPUT, "error: ")
+        assert_answered(ran, exits.EXIT_BAD_INPUT, "error: ")
     assert await snapshot(world["db"]) == before
 
 
@@ -354,7 +354,7 @@ async def test_operator_text_that_is_not_utf8_is_bad_input(world, command):
     _, options = text_options(world)[command]
     ran = await exports(world["env"], *with_value(world, command, next(iter(options)), b"ok\xff\xfe"),
                         cwd=world["cwd"])
-    assert_answered(ran, cli.EXIT_BAD_INPUT, "error: ", "UTF-8")
+    assert_answered(ran, exits.EXIT_BAD_INPUT, "error: ", "UTF-8")
     assert await snapshot(world["db"]) == before
 
 
@@ -364,7 +364,7 @@ async def test_a_nul_byte_in_any_text_option_is_bad_input(world, command, option
     this process instead, as a wrapper script would."""
     before = await snapshot(world["db"])
     ran = await asyncio.to_thread(in_process, world["env"], *with_value(world, command, option, "ann\x00b"))
-    assert_answered(ran, cli.EXIT_BAD_INPUT, "error: ")
+    assert_answered(ran, exits.EXIT_BAD_INPUT, "error: ")
     assert await snapshot(world["db"]) == before
 
 
@@ -375,7 +375,7 @@ async def test_a_correction_under_a_role_that_may_not_correct_is_refused_with_ex
     before = await snapshot(world["db"])
     env = {**world["env"], "EXPORTS_RECONCILIATION_DATABASE_URL": world["db"].url("app")}
     ran = await exports(env, *commands(world)["correct"], cwd=world["cwd"])
-    assert_answered(ran, cli.EXIT_REFUSED, "refused")
+    assert_answered(ran, exits.EXIT_REFUSED, "refused")
     assert await snapshot(world["db"]) == before
 
 
@@ -383,7 +383,7 @@ def test_the_readme_documents_every_exit_status():
     readme = (ROOT / "README.md").read_text()
     paragraph = next(p for p in readme.split("\n\n") if p.startswith("Bad input ("))
     flat = " ".join(paragraph.split()).lower()
-    codes = {name: value for name, value in vars(cli).items() if name.startswith("EXIT_")}
+    codes = {name: value for name, value in vars(exits).items() if name.startswith("EXIT_")}
     assert set(codes.values()) >= {2, 3, 4, 5}, codes
     for name, code in codes.items():
         assert f"exit status {code}" in flat, (name, code, paragraph)
@@ -434,11 +434,11 @@ async def test_control_characters_already_stored_are_shown_as_escapes(world):
 
 async def test_hostile_ids_in_error_lines_are_escaped(world):
     ran = await exports(world["env"], "show", "\x1b[2J\x1b]0;owned\x07" + "9" * 500, cwd=world["cwd"])
-    line = assert_answered(ran, cli.EXIT_BAD_INPUT, "error: ", r"\x1b[2J")
+    line = assert_answered(ran, exits.EXIT_BAD_INPUT, "error: ", r"\x1b[2J")
     assert len(line) < 300, line
     ran = await run(world, "edit", world["job"], "--tenant", world["tenant"], "--version", "\x1b[2J",
                     "--destination", world["destination"], process=False)
-    assert_answered(ran, cli.EXIT_BAD_INPUT, "error: ", "--version")
+    assert_answered(ran, exits.EXIT_BAD_INPUT, "error: ", "--version")
 
 
 # --- arbitrary text, per command: an answer of the documented kind, never a traceback -------------------------
@@ -458,7 +458,7 @@ def acceptable(option: str, value: str) -> bool:
 
 
 def assert_documented(ran: Ran) -> None:
-    assert ran.code in (0, cli.EXIT_BAD_INPUT, cli.EXIT_NOT_DONE), ran
+    assert ran.code in (0, exits.EXIT_BAD_INPUT, exits.EXIT_NOT_DONE), ran
     assert "Traceback" not in ran.stderr + ran.stdout, ran
     assert not CONTROL.search(ran.stdout.replace("\n", "")), ran
     if ran.code != 0:
@@ -478,8 +478,8 @@ async def test_arbitrary_operator_text_gets_a_documented_answer(world, command, 
     ran = await asyncio.to_thread(in_process, world["env"], *args)
     assert_documented(ran)
     if not all(acceptable(option, value) for option, value in values.items()):
-        assert ran.code == cli.EXIT_BAD_INPUT, (values, ran)
-    elif ran.code == cli.EXIT_BAD_INPUT:  # a second replacement of the same original, only
+        assert ran.code == exits.EXIT_BAD_INPUT, (values, ran)
+    elif ran.code == exits.EXIT_BAD_INPUT:  # a second replacement of the same original, only
         assert command == "replace" and "already has" in ran.stderr, (values, ran)
     if ran.code != 0:
         assert await snapshot(world["db"]) == before
@@ -529,6 +529,6 @@ async def test_a_recorded_cancellation_whose_signal_failed_says_so_in_one_line(w
     request_id = raised.value.result.request_id
     assert await world["db"].admin.fetchval("SELECT outcome FROM cancellation_requests WHERE id = $1",
                                             request_id) == "CanceledWhileQueued"
-    code, line = cli.answer(raised.value)
-    assert code == cli.EXIT_UNREACHABLE and "\n" not in line, line
+    code, line = exits.answer(raised.value)
+    assert code == exits.EXIT_UNREACHABLE and "\n" not in line, line
     assert "recorded" in line and f"--request-id {request_id}" in line, line

@@ -28,16 +28,16 @@ from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client
 from temporalio.service import TLSConfig
 
-from starter.localstack import processes
-from starter.localstack.temporal import LocalTemporal
-from starter.schedules import RECOVERY_SCHEDULE, schedules
-from starter.temporal import (
+from activities.process.temporal import (
     CONNECT_TIMEOUT_SECONDS,
     NotConfigured,
     Unreachable,
     connect_temporal,
     temporal_target,
 )
+from starter.localstack import processes
+from starter.localstack.temporal import LocalTemporal
+from starter.schedules import RECOVERY_SCHEDULE, schedules
 from store.settings import Settings
 from tests.helpers.support import Ran, eventually, run_command
 
@@ -330,13 +330,13 @@ async def test_a_worker_keeps_trying_an_unanswering_temporal_one_line_per_try(tm
 def test_a_connection_lost_during_a_command_names_the_setting_in_use(monkeypatch):
     from temporalio.service import RPCError, RPCStatusCode
 
-    from starter import cli
+    from starter import exits
     from store.settings import get_settings
 
     monkeypatch.setenv("TEMPORAL_ADDRESS", "127.0.0.1:7233")
     get_settings.cache_clear()
     try:
-        code, line = cli.answer(RPCError("connection reset", RPCStatusCode.UNAVAILABLE, b""))
+        code, line = exits.answer(RPCError("connection reset", RPCStatusCode.UNAVAILABLE, b""))
     finally:
         get_settings.cache_clear()
-    assert (code, line) == (cli.EXIT_UNREACHABLE, "unreachable: Temporal (TEMPORAL_ADDRESS): connection reset")
+    assert (code, line) == (exits.EXIT_UNREACHABLE, "unreachable: Temporal (TEMPORAL_ADDRESS): connection reset")

@@ -24,11 +24,12 @@ from pydantic import ValidationError
 from temporalio import activity, workflow
 from temporalio.testing import ActivityEnvironment
 
-from starter.logs import JsonFormatter, configure_logging, job_id_of
+from activities.process.logs import JsonFormatter, configure_logging
 from store.models import Status
 from store.settings import Settings
 from tests.helpers.harness import WorkerProcess, open_harness
 from tests.helpers.support import run_command
+from workflows.identity import job_id_of
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPORTS = Path(sys.executable).parent / "exports"

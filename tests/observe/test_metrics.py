@@ -13,7 +13,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from activities import endpoint, metrics
+from activities.process import endpoint, metrics
 from store.db import asyncpg_dsn
 from store.models import CancellationOutcome, Status
 from tests.helpers.harness import Harness, WorkerProcess, held_at, open_harness

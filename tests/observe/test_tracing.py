@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from activities import tracing
+from activities.process import tracing
 from store.models import Status
 from tests.helpers.harness import WorkerProcess, open_harness
 from workflows.identity import export_workflow_id
@@ -66,9 +66,9 @@ def test_tracing_is_off_unless_configured(db, client):
 
 
 async def test_a_worker_process_exports_its_last_spans_before_it_exits(db, store, client, tmp_path, monkeypatch):
-    """The worker ends its process without the interpreter's teardown (starter.temporal.exit_now), so the tracer's
-    own at-exit flush never runs: the worker flushes it on its way out. The batch's delay is set past the test, so
-    a span of the export is printed only by that flush."""
+    """The worker ends its process without the interpreter's teardown (activities.process.temporal.exit_now), so
+    the tracer's own at-exit flush never runs: the worker flushes it on its way out. The batch's delay is set past
+    the test, so a span of the export is printed only by that flush."""
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")
     async with AsyncExitStack() as stack:
         h = await open_harness(stack, db, store, client, tmp_path, in_process_worker=False)

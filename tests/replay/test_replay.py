@@ -19,8 +19,8 @@ from worker import WORKFLOWS, workflow_interceptors
 
 
 def replayer() -> Replayer:
-    # The worker's workflows and interceptors, and the converter its client connects with (starter/temporal.py);
-    # the sandbox is the SDK's default in both.
+    # The worker's workflows and interceptors, and the converter its client connects with
+    # (activities/process/temporal.py); the sandbox is the SDK's default in both.
     return Replayer(workflows=WORKFLOWS, data_converter=pydantic_data_converter, interceptors=workflow_interceptors())
 
 

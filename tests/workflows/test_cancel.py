@@ -33,7 +33,7 @@ from activities.contracts import (
     ExportResult,
     Wake,
 )
-from activities.dispatcher import OutboxDispatcher
+from activities.process.dispatcher import OutboxDispatcher
 from starter.localstack.temporal import temporal_binary
 from store.db import asyncpg_dsn, make_engine
 from store.models import (

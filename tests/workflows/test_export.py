@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy.exc import DBAPIError
 from temporalio.api.enums.v1 import EventType
 
-from activities.dispatcher import OutboxDispatcher
+from activities.process.dispatcher import OutboxDispatcher
 from starter.client import ExportsClient
 from starter.localstack.postgres import ROLES
 from store.db import asyncpg_dsn, make_engine

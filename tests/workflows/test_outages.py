@@ -19,7 +19,7 @@ import pytest
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
-from activities.dispatcher import OutboxDispatcher
+from activities.process.dispatcher import OutboxDispatcher
 from starter.localstack.ports import free_port
 from starter.localstack.temporal import LocalTemporal
 from store.db import asyncpg_dsn, make_engine

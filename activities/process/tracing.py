@@ -22,7 +22,8 @@ from temporalio.client import Client
 
 from store.settings import Settings
 
-log = logging.getLogger(__name__)
+# The logger keeps the name it had before the module moved into process/: log filters and alerts match on it.
+log = logging.getLogger("activities.tracing")
 
 
 def configure(settings: Settings) -> bool:
@@ -60,7 +61,7 @@ def configure(settings: Settings) -> bool:
 
 def flush() -> None:
     """Export the spans still batched, and stop the exporter: the worker ends its process without the
-    interpreter's teardown (starter.temporal.exit_now), so the tracer's own at-exit shutdown never runs."""
+    interpreter's teardown (activities.process.temporal.exit_now), so the tracer's own at-exit shutdown never runs."""
     from opentelemetry import trace
 
     provider = trace.get_tracer_provider()

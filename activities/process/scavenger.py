@@ -14,7 +14,8 @@ from activities.builder import remove_local_file
 from store.jobs import JobStore
 from store.models import Status
 
-log = logging.getLogger(__name__)
+# The logger keeps the name it had before the module moved into process/: log filters and alerts match on it.
+log = logging.getLogger("activities.scavenger")
 
 # <job>-<attempt>-<build token>.csv (and .csv.partial while it is written); the token is the last part of the
 # build's holder (claimed_by).
@@ -25,7 +26,7 @@ _BUILT = re.compile(
 async def scavenge(store: JobStore, work_dir: Path) -> list[Path]:
     """Remove built files whose build no longer holds its attempt's row in Running or Delivering (the attempt
     ended, was taken over, or another build of it fenced this one); the removed paths."""
-    removed = []
+    removed: list[Path] = []
     if not work_dir.is_dir():
         return removed
     for path in sorted(work_dir.iterdir()):

@@ -22,12 +22,13 @@ import asyncpg
 from temporalio.client import Client
 
 from activities.contracts import ExportInput, Wake
-from starter.temporal import short_reason
+from activities.process.temporal import short_reason
 from store import errors
 from store.outbox import Outbox
 from workflows.identity import export_workflow_id
 
-log = logging.getLogger(__name__)
+# The logger keeps the name it had before the module moved into process/: log filters and alerts match on it.
+log = logging.getLogger("activities.dispatcher")
 
 NOTIFY_CHANNEL = "exports_outbox"
 

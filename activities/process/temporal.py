@@ -18,7 +18,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import Literal, NoReturn
 
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -126,7 +126,8 @@ def temporal_target(settings: Settings, environ: Mapping[str, str] | None = None
         setting = named[0] if named else f"TLS of {profile_label}"
         raise refuse(setting, f"cannot read {exc.filename}: {exc.strerror}") from None
 
-    def pick(field: str, variable: str, config_key: str, default: str, unset: str) -> tuple[str, str]:
+    def pick(field: str, variable: str, config_key: Literal["target_host", "namespace"], default: str,
+             unset: str) -> tuple[str, str]:
         """One part of the connection, by the precedence above, and the setting that supplied it."""
         if field in settings.model_fields_set:
             return getattr(settings, field), f"EXPORTS_{field.upper()}"
@@ -150,17 +151,6 @@ def temporal_target(settings: Settings, environ: Mapping[str, str] | None = None
     config["target_host"], config["namespace"] = address, namespace
     return TemporalTarget(config=config, address_setting=address_setting, namespace_setting=namespace_setting,
                           tls_settings=_tls_settings(config, env, profile, profile_label))
-
-
-def address_setting() -> str:
-    """The setting the address comes from, for a message about a connection lost after it was made; the
-    project's own name when the settings cannot be read any more."""
-    from store.settings import get_settings
-
-    try:
-        return temporal_target(get_settings()).address_setting
-    except Exception:  # noqa: BLE001 - only a message depends on it
-        return "EXPORTS_TEMPORAL_ADDRESS"
 
 
 def _tls_settings(config: ClientConnectConfig, env: Mapping[str, str], profile: ClientConfigProfile,

@@ -25,7 +25,8 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from store.models import Status
 
-log = logging.getLogger(__name__)
+# The logger keeps the name it had before the module moved into process/: log filters and alerts match on it.
+log = logging.getLogger("activities.metrics")
 
 T = TypeVar("T")
 
@@ -146,6 +147,8 @@ async def read_store_gauges(dsn: str) -> None:
         row = await conn.fetchrow(STORE_GAUGES_SQL, timeout=_READ_TIMEOUT_SECONDS)
     finally:
         await asyncio.wait_for(conn.close(), _READ_TIMEOUT_SECONDS)
+    if row is None:  # an aggregate query answers one row: this is only for the type
+        raise RuntimeError("the gauges query returned no row")
     OUTBOX_BACKLOG.set(row["backlog"])
     OUTBOX_OLDEST.set(float(row["oldest"]))
     jobs = json.loads(row["jobs"])

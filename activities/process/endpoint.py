@@ -1,6 +1,6 @@
 """The worker's HTTP port (EXPORTS_HTTP_PORT, default 8080; 0 disables it): /metrics, /livez, /readyz.
 
-- /metrics: the worker's own metrics (activities/metrics.py) followed by the Temporal SDK's. The SDK serves its
+- /metrics: the worker's own metrics (metrics.py, beside this one) followed by the Temporal SDK's. The SDK serves its
   Prometheus text on an address of its own (a Rust server in its runtime), so this port fetches it from there on
   each scrape (loopback, bounded) and appends it: one scrape target gives both. The SDK's address is
   EXPORTS_SDK_METRICS_BIND_ADDRESS:EXPORTS_SDK_METRICS_PORT, 127.0.0.1 and a free port by default.
@@ -28,12 +28,13 @@ from typing import Protocol
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 
-from activities import metrics
-from starter.logs import sdk_core_logging
+from activities.process import metrics
+from activities.process.logs import sdk_core_logging
 from store.db import asyncpg_dsn
 from store.settings import Settings
 
-log = logging.getLogger(__name__)
+# The logger keeps the name it had before the module moved into process/: log filters and alerts match on it.
+log = logging.getLogger("activities.endpoint")
 
 _REQUEST_TIMEOUT_SECONDS = 5.0
 _SDK_SCRAPE_TIMEOUT_SECONDS = 2.0
@@ -43,7 +44,8 @@ _MAX_REQUEST_LINE = 8192
 def free_loopback_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def install_sdk_runtime(settings: Settings) -> str | None:
@@ -191,7 +193,8 @@ class Observing:
 
         def fetch() -> bytes:
             with urllib.request.urlopen(url, timeout=_SDK_SCRAPE_TIMEOUT_SECONDS) as response:  # noqa: S310
-                return response.read()
+                body: bytes = response.read()
+                return body
 
         try:
             text = await asyncio.wait_for(asyncio.to_thread(fetch), _SDK_SCRAPE_TIMEOUT_SECONDS + 1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import IO, Any
 
@@ -91,7 +91,7 @@ def sdk_core_logging(settings: Settings) -> LoggingConfig:
                          forwarding=LogForwardingConfig(logger=logging.getLogger("temporalio.core")))
 
 
-def settings_or_exit(load: Any) -> Settings:
+def settings_or_exit(load: Callable[[], Settings]) -> Settings:
     """The settings for a process's start, or one line on stderr naming the EXPORTS_* variable that does not
     parse, and exit status 2 (as the command line answers it)."""
     from pydantic import ValidationError
