@@ -18,9 +18,10 @@ run: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
-# The rules are pyproject.toml's [tool.ruff]; .ci/run runs this before the tests.
+# The rules are pyproject.toml's [tool.ruff] and [tool.mypy]; .ci/run runs this before the tests.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(VENV)/bin/python -m bench.run $(BENCH_ARGS)

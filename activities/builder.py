@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 from uuid import UUID
 
 import asyncpg
@@ -40,7 +41,7 @@ class BuildError(Exception):
 
 
 class _HashingSink:
-    def __init__(self, handle, on_progress: Callable[[int], None], throttle_bytes_per_second: int) -> None:
+    def __init__(self, handle: BinaryIO, on_progress: Callable[[int], None], throttle_bytes_per_second: int) -> None:
         self.handle = handle
         self.sha256 = hashlib.sha256()
         self.size = 0

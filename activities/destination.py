@@ -8,7 +8,7 @@ import posixpath
 import re
 import unicodedata
 from collections.abc import Mapping
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeGuard, get_args
 
 import asyncssh
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -164,7 +164,7 @@ def _text_problem(value: object, limit: int) -> str | None:
     return None
 
 
-def _whole(value: object) -> bool:
+def _whole(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

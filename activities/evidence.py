@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict
 
 from activities import outcomes
 from activities.destination import PartnerContract
@@ -85,13 +85,22 @@ def _judged(verdict: outcomes.Verdict, source: str) -> Judgement:
     return Judgement(Status(verdict.outcome), f"{source}: {verdict.summary}", verdict.confirmed_by)
 
 
+class _Expected(TypedDict):
+    """What the attempt promised, as `outcomes.after_rename` weighs a look against it."""
+
+    final_name: str
+    expected_bytes: int
+    expected_sha256: str | None
+    content_promised: bool
+
+
 def judge(row: JobRow, evidence: list[dict[str, Any]], look: outcomes.FinalLook | None,
           contract: PartnerContract) -> Judgement:
     expected_bytes = row.expected_file_bytes or 0
     expected_sha256 = row.expected_file_sha256.hex() if row.expected_file_sha256 else None
     overwrite = any(r.get("step") == "decision" and r.get("decision") == "Overwrite" for r in evidence)
-    rule = {"final_name": row.expected_file_name or "", "expected_bytes": expected_bytes,
-            "expected_sha256": expected_sha256, "content_promised": contract.hash_evidence != "none"}
+    rule = _Expected(final_name=row.expected_file_name or "", expected_bytes=expected_bytes,
+                     expected_sha256=expected_sha256, content_promised=contract.hash_evidence != "none")
 
     receipts = [r for r in evidence if r.get("step") == "receipt"]
     if receipts:

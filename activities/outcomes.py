@@ -131,7 +131,7 @@ def occupied_final_name(final_name: str, found: RemoteFile, identified: tuple[bo
     """What a delivery does when its baseline found `final_name` occupied by `found`: the decision, why, and the
     result that ends the delivery without an upload (None for an agreed overwrite). `identified` is, for a
     replacement only, whether the file was identified as its original's delivery and on what evidence."""
-    decision: OccupiedDecision = "FinalNameOccupied"
+    decision: Literal["FinalNameOccupied", "OriginalDelivered"] = "FinalNameOccupied"  # either is a failure
     why = "an original's name is unique to its key"
     if identified is not None:
         # A replacement reuses its original's name: the file may be the original's own delivery.

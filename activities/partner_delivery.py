@@ -17,7 +17,7 @@ import posixpath
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypedDict, cast
 from uuid import UUID
 
 import asyncssh
@@ -321,29 +321,38 @@ def temp_file_name(final_name: str, attempt_id: UUID) -> str:
     return f".{final_name}.{attempt_id}.part"
 
 
+class SweptFiles(TypedDict):
+    """What a sweep of a partner's temporary directory did: the names removed, kept, and the failed removals."""
+
+    removed: list[str]
+    kept: list[str]
+    failed: list[str]
+
+
 async def sweep_temp_files(dest: DestinationConfig, *, is_ours: Callable[[str], Awaitable[bool]],
-                           is_live: Callable[[UUID], Awaitable[bool]], timeout: float = 30.0) -> dict[str, list[str]]:
+                           is_live: Callable[[UUID], Awaitable[bool]], timeout: float = 30.0) -> SweptFiles:
     """Remove our temporary files in the destination's temp_dir that are older than the partner's contract allows
     (recovery cannot tell a dead worker from a paused one, so only age can) and whose attempt is not live
     (`is_live`: still Delivering). Ours means named after a final name of this destination's exports (`is_ours`):
     another tenant's files in a shared directory, and files of other names, are never touched.
     Returns the names removed, kept (too young or live), and the removals that failed, with why."""
-    found: dict[str, list[str]] = {"removed": [], "kept": [], "failed": []}
+    found: SweptFiles = {"removed": [], "kept": [], "failed": []}
     async with asyncio.timeout(timeout):
         async with connect(dest, connect_timeout=timeout) as sftp:
             names = await sftp.readdir(dest.temp_dir)
             cutoff = time.time() - dest.contract.temp_file_max_age_seconds
             for entry in names:
-                match = TEMP_NAME.match(entry.filename)
+                filename = cast(str, entry.filename)  # a directory named by a str lists str names
+                match = TEMP_NAME.match(filename)
                 if match is None or not await is_ours(match["final"]):
                     continue
                 mtime = entry.attrs.mtime
                 if mtime is None or mtime > cutoff or await is_live(UUID(match["attempt"])):
-                    found["kept"].append(entry.filename)
+                    found["kept"].append(filename)
                     continue
                 try:
-                    await sftp.remove(posixpath.join(dest.temp_dir, entry.filename))
-                    found["removed"].append(entry.filename)
+                    await sftp.remove(posixpath.join(dest.temp_dir, filename))
+                    found["removed"].append(filename)
                 except (asyncssh.Error, OSError) as exc:
-                    found["failed"].append(f"{entry.filename}: {describe(exc)}")
+                    found["failed"].append(f"{filename}: {describe(exc)}")
     return found

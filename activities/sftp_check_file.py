@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import cast
 
 import asyncssh
 from asyncssh.constants import FXP_EXTENDED_REPLY
@@ -82,7 +83,8 @@ async def check_file_sha256(sftp: asyncssh.SFTPClient, path: str) -> str:
     if CHECK_FILE_NAME not in handler._return_types:  # noqa: SLF001
         handler._return_types = {**handler._return_types, CHECK_FILE_NAME: FXP_EXTENDED_REPLY}  # noqa: SLF001
     request = CheckFileRequest(sftp.encode(path), (ALGORITHM,))
-    packet = await handler._make_request(CHECK_FILE_NAME, request.encode())  # noqa: SLF001
+    # Typed as whatever a reply may be; an extended reply is a packet (asyncssh casts its own the same way).
+    packet = cast(SSHPacket, await handler._make_request(CHECK_FILE_NAME, request.encode()))  # noqa: SLF001
     reply = CheckFileReply.decode(packet)
     if reply.algorithm != ALGORITHM or len(reply.digest) != hashlib.sha256().digest_size:
         raise CheckFileError(f"asked for one {ALGORITHM} of the whole file, got {reply.algorithm} "

@@ -46,7 +46,7 @@ class StopWatch:
         if self._conn is not None:
             self._conn.terminate()
 
-    def _notified(self, conn: object, pid: int, channel: str, payload: str) -> None:
+    def _notified(self, conn: object, pid: int, channel: str, payload: object) -> None:
         if payload != str(self.job_id):
             return
         if self._confirming is None or self._confirming.done():

@@ -8,6 +8,7 @@ retries with the same request ID and gets the outcome already recorded, if an ea
 from __future__ import annotations
 
 import logging
+from typing import TypedDict
 from uuid import UUID
 
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -39,6 +40,14 @@ def decide_cancellation(row: JobRow) -> CancellationOutcome:
         return CancellationOutcome.STOP_ALREADY_REQUESTED
     return _OUTCOME_BY_STATUS[row.status]
 
+
+
+class _Keys(TypedDict):
+    """What names the request in each statement of a cancellation."""
+
+    job_id: UUID
+    tenant_id: UUID
+    request_id: UUID
 
 async def record(
     db: Database,
@@ -113,7 +122,7 @@ async def _decide_and_record(
         return earlier
 
     outcome = decide_cancellation(found)
-    keys = {"job_id": job_id, "tenant_id": tenant_id, "request_id": request_id}
+    keys = _Keys(job_id=job_id, tenant_id=tenant_id, request_id=request_id)
     if outcome is CancellationOutcome.CANCELED_WHILE_QUEUED:
         changed = (await db.write("cancel_queued", conn=conn, **keys)).count
     elif outcome is CancellationOutcome.STOP_REQUESTED:

@@ -6,6 +6,7 @@ import io
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg
@@ -15,9 +16,11 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 from sqlalchemy import event
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Dialect
+from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection
 
 from store import errors
 
@@ -40,7 +43,8 @@ def make_engine(url: str, *, pool_size: int = 5, max_overflow: int | None = None
                                  max_overflow=pool_size if max_overflow is None else max_overflow)
 
     @event.listens_for(engine.sync_engine, "do_connect")
-    def _libpq_parameters(dialect, connection_record, cargs, cparams) -> None:
+    def _libpq_parameters(dialect: Dialect, connection_record: ConnectionPoolEntry, cargs: list[Any],
+                          cparams: dict[str, Any]) -> None:
         # SQLAlchemy hands every query parameter to asyncpg.connect() as a keyword, which has none for sslmode,
         # sslrootcert, sslcert or passfile: the whole URL goes as asyncpg's DSN instead, which reads them all.
         kept = {key: cparams[key] for key in _DIALECT_PARAMS if key in cparams}
@@ -48,12 +52,14 @@ def make_engine(url: str, *, pool_size: int = 5, max_overflow: int | None = None
         cparams.update(kept, dsn=dsn)
 
     @event.listens_for(engine.sync_engine, "checkout")
-    def _replace_closed(dbapi_connection, connection_record, connection_proxy) -> None:
+    def _replace_closed(dbapi_connection: DBAPIConnection, connection_record: ConnectionPoolEntry,
+                        connection_proxy: PoolProxiedConnection) -> None:
         # asyncpg notices, without a round trip, a connection the server or the network closed (a restart, a
         # cut), and the pool then replaces it. pool_pre_ping would ask the server instead: three round trips
         # (BEGIN, a ping, ROLLBACK) before every statement. A connection that died silently fails its statement,
         # which the store treats as an uncertain answer, and the pool drops every connection older than that.
-        if connection_record.driver_connection.is_closed():
+        driver: Any = connection_record.driver_connection  # asyncpg's connection, there at every checkout
+        if driver.is_closed():
             raise DisconnectionError("the pooled connection was closed")
 
     return engine
@@ -165,7 +171,8 @@ async def database_revision(conn: asyncpg.Connection) -> str | None:
     not read the table gets asyncpg's InsufficientPrivilegeError."""
     if await conn.fetchval("SELECT to_regclass('alembic_version') IS NULL"):
         return None
-    return await conn.fetchval("SELECT version_num FROM alembic_version")
+    revision: str | None = await conn.fetchval("SELECT version_num FROM alembic_version")
+    return revision
 
 
 async def migrate(owner_url: str, revision: str = "head", *,

@@ -24,7 +24,7 @@ from store.models import (
     Status,
 )
 from store.schema import cancellation_requests, destinations, export_attempt_events, export_jobs
-from store.statements import Reread, RoleStore, fetch_one
+from store.statements import Reread, RoleStore, Written, fetch_one
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,8 @@ class JobStore(RoleStore):
 
     async def _write(self, name: str, **params: Any) -> int:
         """A conditional write whose row count is the whole answer (an uncertain one is raised)."""
-        return (await self.db.write(name, **params)).count
+        written: Written[int] = await self.db.write(name, **params)  # no re-read: its count is always known
+        return written.count
 
     # --- reads -------------------------------------------------------------------------------------------------
 
@@ -165,7 +166,7 @@ class JobStore(RoleStore):
             named = await fetch_one(conn, "resolve_original", tenant_id=tenant_id, job_id=original_job_id)
             if named is None:
                 raise errors.NotReplaceable(f"export {original_job_id} not found for this tenant")
-            original = named["original_job_id"]
+            original: UUID = named["original_job_id"]
             written = await self.db.write(
                 "create_replacement",
                 conn=conn,

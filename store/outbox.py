@@ -1,4 +1,4 @@
-"""The outbox, as the dispatcher role reads and marks it (the dispatcher itself is activities/dispatcher.py).
+"""The outbox, as the dispatcher role reads and marks it (the dispatcher itself is activities/process/dispatcher.py).
 
 A pass runs on one session that holds a session advisory lock (a lock on no row): two dispatchers never publish
 the same backlog at once, any dispatcher may take the lock, and it goes with the session if its holder dies."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 from uuid import UUID
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -17,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from store import sweeper
 from store.jobs import check_confirmation
 from store.models import Status
-from store.statements import RoleStore
+from store.statements import RoleStore, Written
 
 log = logging.getLogger(__name__)
 
@@ -154,9 +155,10 @@ class Recovery(RoleStore):
         )
         return kind
 
-    async def _takeover(self, name: str, settles: Status | None, **params: object) -> bool:
+    async def _takeover(self, name: str, settles: Status | None, **params: Any) -> bool:
         """One takeover statement; `settles` is the state it writes when that state ends the export."""
-        changed = (await self.db.write(name, **params)).count
+        written: Written[int] = await self.db.write(name, **params)  # no re-read: its count is always known
+        changed = written.count
         if changed > 1:
             # Impossible: each statement names one job by its primary key.
             raise RuntimeError(f"{name} changed {changed} rows")

@@ -93,7 +93,7 @@ class Settings(BaseSettings):
     metrics_refresh_seconds: float = Field(30.0, gt=0)
     tracing: str = Field("off", pattern=r"^(off|console|otlp)$")
 
-    # Logs (starter/logs.py, docs/operating.md): `text` for people, `json` for one object per line, for a log
+    # Logs (activities/process/logs.py, docs/operating.md): `text` for people, `json` for one object per line, for a log
     # collector; the level by name. Checked here, so a typo stops the process at start, in one line.
     log_format: str = "text"
     log_level: str = "INFO"

@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 from sqlalchemy import TextClause, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -25,6 +25,10 @@ from store import errors
 SQL_DIR = Path(__file__).parent / "sql"
 
 log = logging.getLogger(__name__)
+
+# A write's row count: an int where it is always known (a write asked without a re-read raises an uncertain answer),
+# int | None where a re-read may answer instead of it.
+Count = TypeVar("Count", bound=int | None)
 
 
 @cache
@@ -62,12 +66,13 @@ class Reread:
 
 
 @dataclass(frozen=True)
-class Written:
+class Written(Generic[Count]):
     """What a conditional write learnt. `count` is the statement's row count (of its outer command), None when its
-    answer was lost. `row` is the re-read's row (None also when it found none), and `unanswered` the re-read's own
-    error when it could not be asked either (a lost connection, or past its bound)."""
+    answer was lost (only a write with a re-read answers so). `row` is the re-read's row (None also when it found
+    none), and `unanswered` the re-read's own error when it could not be asked either (a lost connection, or past
+    its bound)."""
 
-    count: int | None
+    count: Count
     row: dict[str, Any] | None = None
     unanswered: BaseException | None = None
 
@@ -123,8 +128,15 @@ class Database:
             async with self.engine.begin() as conn:
                 yield conn
 
+    @overload
+    async def write(self, name: str, *, conn: AsyncConnection | None = None, reread: None = None,
+                    **params: Any) -> Written[int]: ...
+
+    @overload
+    async def write(self, name: str, *, conn: None = None, reread: Reread, **params: Any) -> Written[int | None]: ...
+
     async def write(self, name: str, *, conn: AsyncConnection | None = None, reread: Reread | None = None,
-                    **params: Any) -> Written:
+                    **params: Any) -> Written[int] | Written[int | None]:
         """Run one conditional statement and answer what it did.
 
         Alone (no `conn`), it commits on its own: a single statement is atomic without a transaction block (its
@@ -153,7 +165,7 @@ class Database:
             return Written(count)
         return await self._reread(reread, count)
 
-    async def _reread(self, reread: Reread, count: int | None) -> Written:
+    async def _reread(self, reread: Reread, count: int | None) -> Written[int | None]:
         try:
             async with asyncio.timeout(self.reread_timeout_seconds):
                 row = await self.row(reread.name, **reread.params)

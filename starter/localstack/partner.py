@@ -18,7 +18,7 @@ import posixpath
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import asyncssh
 from asyncssh.constants import FXP_EXTENDED_REPLY
@@ -51,7 +51,7 @@ def _client_path(path: bytes) -> str:
 
 
 class _PartnerSFTPServer(asyncssh.SFTPServer):
-    def __init__(self, chan: asyncssh.SSHServerChannel, *, root: Path, hooks: PartnerHooks,
+    def __init__(self, chan: asyncssh.SSHServerChannel[bytes], *, root: Path, hooks: PartnerHooks,
                  offers_check_file: bool) -> None:
         super().__init__(chan, chroot=os.fsencode(root))
         self._hooks = hooks
@@ -71,7 +71,8 @@ class _PartnerSFTPServer(asyncssh.SFTPServer):
     async def write(self, file_obj: object, offset: int, data: bytes) -> int:
         if self._hooks.on_write is not None:
             await self._hooks.on_write(self._paths.get(id(file_obj), "?"), offset)
-        return super().write(file_obj, offset, data)
+        # The base class writes the local file there and then: a count, never an awaitable.
+        return cast(int, super().write(file_obj, offset, data))
 
     async def rename(self, oldpath: bytes, newpath: bytes) -> None:
         old, new = _client_path(oldpath), _client_path(newpath)
@@ -109,7 +110,8 @@ def _sha256_range(path: bytes, offset: int, length: int) -> bytes:
 
 
 async def _process_check_file_name(handler: SFTPServerHandler, packet: SSHPacket) -> CheckFileReply:
-    return await handler._server.check_file(CheckFileRequest.decode(packet))  # noqa: SLF001
+    server = cast(_PartnerSFTPServer, handler._server)  # noqa: SLF001 - the handler serves the partner's server
+    return await server.check_file(CheckFileRequest.decode(packet))
 
 
 class _PartnerSFTPHandler(SFTPServerHandler):
@@ -120,13 +122,14 @@ class _PartnerSFTPHandler(SFTPServerHandler):
     _return_types = {**SFTPServerHandler._return_types, CHECK_FILE_NAME: FXP_EXTENDED_REPLY}
 
 
-class _PartnerSession(SSHServerStreamSession):
+class _PartnerSession(SSHServerStreamSession[bytes]):
     """A session that serves SFTP only (no shell, exec or scp), through `_PartnerSFTPHandler`: asyncssh's own
     session would start its stock handler."""
 
     def session_started(self) -> None:
         assert self._chan is not None and self._conn is not None
-        server = self._init_sftp_server()  # also switches the channel to bytes
+        # Also switches the channel to bytes. The partner's factory returns the server itself, never an awaitable.
+        server = cast(asyncssh.SFTPServer, self._init_sftp_server())
         handler = _PartnerSFTPHandler(server, SSHReader(self, self._chan), SSHWriter(self, self._chan),
                                       self._sftp_version)
         self._conn.create_task(handler.run())
@@ -136,13 +139,15 @@ class _ConnectionTracker(asyncssh.SSHServer):
     """Keeps the partner's set of open connections current, so faults can drop them, and opens its sessions."""
 
     def __init__(self, connections: set[asyncssh.SSHServerConnection],
-                 sftp_factory: Callable[[asyncssh.SSHServerChannel], _PartnerSFTPServer]) -> None:
+                 sftp_factory: Callable[[asyncssh.SSHServerChannel[bytes]], _PartnerSFTPServer]) -> None:
         self._connections = connections
         self._sftp_factory = sftp_factory
         self._conn: asyncssh.SSHServerConnection | None = None
 
     def session_requested(self) -> _PartnerSession:
-        return _PartnerSession(None, self._sftp_factory, sftp_version=3)
+        # asyncssh hands an SFTP factory the session's server channel, but types it as any SSHChannel (and types
+        # SFTPServer's own channel as a server channel): the factory's type cannot satisfy both.
+        return _PartnerSession(None, self._sftp_factory, sftp_version=3)  # type: ignore[arg-type]
 
     def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
         self._conn = conn

