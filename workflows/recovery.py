@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from typing import TypedDict
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -26,10 +27,16 @@ with workflow.unsafe.imports_passed_through():
     from activities.recovery import RecoveryActivities
     from workflows import patches
 
-_STEP = {
-    "start_to_close_timeout": timedelta(seconds=60),
-    "retry_policy": RetryPolicy(maximum_attempts=3, initial_interval=timedelta(seconds=1)),
-}
+
+class _StepOptions(TypedDict):
+    start_to_close_timeout: timedelta
+    retry_policy: RetryPolicy
+
+
+_STEP = _StepOptions(
+    start_to_close_timeout=timedelta(seconds=60),
+    retry_policy=RetryPolicy(maximum_attempts=3, initial_interval=timedelta(seconds=1)),
+)
 
 
 # Takeovers of one batch in flight at once: each is its own conditional statement on its own row.
