@@ -13,15 +13,16 @@ from uuid import UUID
 import asyncssh
 from temporalio import activity
 
-from activities import checkpoints, metrics
+from activities import checkpoints
 from activities.builder import BuildError, build_contacts_csv, size_and_sha256
 from activities.contracts import AttemptInput, BuildOutput
 from activities.destination import DestinationConfig
-from activities.export_base import ExportActivitiesBase
+from activities.export_base import ExportActivitiesBase, attempt_step
 from activities.lease import LeaseKeeper
 from activities.partner_connection import HostKeyMismatch
 from activities.partner_files import FinalDirMissing, preflight
 from activities.patience import retry_patiently, run_to_end
+from activities.process import metrics
 from activities.stop_watch import StopWatch
 from store import errors
 from store.db import asyncpg_dsn
@@ -36,6 +37,7 @@ _CLOCK_MARGIN_SECONDS = 0.1
 
 class BuildActivities(ExportActivitiesBase):
     @activity.defn
+    @attempt_step
     async def build(self, request: AttemptInput) -> BuildOutput:
         """Build the file, with the lease kept and stop requests heard. Also how a build resumes elsewhere (or
         again here) after its worker went quiet: it first takes the attempt's build slot, which fences any earlier
@@ -43,13 +45,14 @@ class BuildActivities(ExportActivitiesBase):
         job, attempt_id = request.job, request.attempt_id
         if activity.is_worker_shutdown():
             return BuildOutput(ended="HandedBack")  # taken as this worker began to shut down: touch nothing
-        if job.final_name is None:
+        final_name = job.final_name
+        if final_name is None:
             # A row that a run of 0.1.0 read, before the name was a column: the name is the row's (no role may
             # change it), and never one this worker would derive.
             stored = await self.store.read_job(job.id)
-            if stored is None:
+            if stored is None or stored.final_name is None:
                 return BuildOutput(ended="LostOwnership")
-            job = job.model_copy(update={"final_name": stored.final_name})
+            final_name = stored.final_name
         late = self._started_late()
         if late is not None:
             # A task handed to this worker while it was paused (a poll it had open): Temporal already timed it out
@@ -96,7 +99,7 @@ class BuildActivities(ExportActivitiesBase):
         shutdown_watch = asyncio.create_task(hand_back_on_shutdown())
         try:
             async with self._heartbeating(lambda: dict(progress)):
-                refusal = await self._preflight(job)
+                refusal = await self._preflight(job, final_name)
                 if refusal is not None:
                     code, why = refusal
                     async with lease.terminal_write():
@@ -130,7 +133,7 @@ class BuildActivities(ExportActivitiesBase):
             self._hand_over(lease)
             handed_over = True
             return BuildOutput(
-                file=BuiltFile(path=str(path), final_name=job.final_name, size=size, sha256_hex=sha256_hex,
+                file=BuiltFile(path=str(path), final_name=final_name, size=size, sha256_hex=sha256_hex,
                                holder=holder),
                 worker_task_queue=self.worker_task_queue,
             )
@@ -138,7 +141,9 @@ class BuildActivities(ExportActivitiesBase):
             if not shutting_down.is_set():
                 raise
             # The shutdown came before the build itself began (in the preparation): hand the attempt back too.
-            return await run_to_end(self._after_build_cancelled(lease, lost, job.id, attempt_id, holder, True))
+            ended = await run_to_end(self._after_build_cancelled(lease, lost, job.id, attempt_id, holder, True))
+            assert ended is not None  # shutting down, it always ends: Stopped, LostOwnership or HandedBack
+            return ended
         finally:
             shutdown_watch.cancel()
             if not handed_over:
@@ -205,7 +210,7 @@ class BuildActivities(ExportActivitiesBase):
             return BuildOutput(ended="HandedBack")
         return None
 
-    async def _preflight(self, job: JobRow) -> tuple[FailureCode, str] | None:
+    async def _preflight(self, job: JobRow, final_name: str) -> tuple[FailureCode, str] | None:
         """The preparation's look at the partner, before the build: what ends the attempt now, from Running (where a
         stop request can still win) and before cutoff 2 spends anything. An unreachable partner is not a reason:
         the delivery looks again and records the baseline that counts."""
@@ -214,15 +219,15 @@ class BuildActivities(ExportActivitiesBase):
             return None
         config = DestinationConfig.from_row(destination)
         try:
-            final = await preflight(config, job.final_name)
+            final = await preflight(config, final_name)
         except (HostKeyMismatch, FinalDirMissing, asyncssh.PermissionDenied, ValueError) as exc:
             return FailureCode.NOT_DELIVERED, f"preparation: {type(exc).__name__}: {exc}"
         except Exception as exc:
-            log.warning("preparation could not look at %s for %s: %s", job.final_name, job.id, exc)
+            log.warning("preparation could not look at %s for %s: %s", final_name, job.id, exc)
             return None
         if final.exists and job.replaces_job_id is None:
             # An original's name is unique to its key, so a file there is a conflict: nothing is uploaded.
-            return FailureCode.FINAL_NAME_OCCUPIED, f"{job.final_name} exists at the partner before delivery"
+            return FailureCode.FINAL_NAME_OCCUPIED, f"{final_name} exists at the partner before delivery"
         return None
 
     @activity.defn

@@ -10,14 +10,15 @@ from uuid import UUID
 
 from temporalio import activity
 
-from activities import checkpoints, metrics, partner_delivery
+from activities import checkpoints, partner_delivery
 from activities.builder import remove_local_file
 from activities.contracts import AuthorizeInput, AuthorizeOutput, DeliverInput, DeliverOutput
 from activities.destination import DestinationConfig, Replacement
 from activities.evidence import EvidenceLog
-from activities.export_base import ExportActivitiesBase
+from activities.export_base import ExportActivitiesBase, attempt_step
 from activities.outcomes import DeliveryResult
 from activities.patience import retry_patiently, run_to_end
+from activities.process import metrics
 from store import errors
 from store.models import AuthorizationResult, FailureCode, JobRow, Status
 
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 class DeliveryActivities(ExportActivitiesBase):
     @activity.defn
+    @attempt_step
     async def authorize_delivery(self, request: AuthorizeInput) -> AuthorizeOutput:
         """Cutoff 2, and what its refusal means. The file is removed unless delivery was authorized; the lease is
         handed on to the delivery only then."""
@@ -73,6 +75,7 @@ class DeliveryActivities(ExportActivitiesBase):
         )
 
     @activity.defn
+    @attempt_step
     async def deliver(self, request: DeliverInput) -> DeliverOutput:
         """Past the point of no return: stop requests are recorded, not obeyed, a lost lease does not stop the
         upload, and neither does the activity's cancellation (a terminated workflow, a shutdown): the upload

@@ -1,16 +1,76 @@
 """What the export activities of one worker share: the store, the settings and the worker's identity and task
-queue, its checkpoints, and each attempt's lease keeper, handed from one step of the attempt to the next."""
+queue, its checkpoints, and each attempt's lease keeper, handed from one step of the attempt to the next.
+
+The hand-over protocol of an attempt's steps. From its build to its terminal write, an attempt runs on the worker
+that claimed it (that worker's own task queue, where its file is), as several activities: `build`, then each step
+marked `@attempt_step`. One lease keeper renews the row's lease for the whole attempt, without a gap:
+
+- the build starts the keeper (`_keeper`) once it holds the attempt's build slot;
+- a step that continues the attempt ends with `_hand_over(keeper)`: the keeper goes on renewing until the next
+  step adopts it, for at most one lease plus one renewal interval (the next step's schedule-to-start timeout is
+  one lease, workflows/export.py `_on_worker`), then stops and lets the lease lapse for recovery;
+- a step adopts the keeper first thing (`_keeper`), and ends by handing it on or with the attempt's terminal write
+  (`keeper.terminal_write()`, then `finish`).
+
+A step that forgets either half lets the lease lapse between steps. tests/hardening/test_step_hand_over.py holds
+the start of every step after the build for about a lease and fails if the lease lapses meanwhile.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import contextvars
+import functools
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 from uuid import UUID
 
 from activities import checkpoints
 from activities.lease import LeaseKeeper, heartbeating
 from store.jobs import JobStore
 from store.settings import Settings
+
+log = logging.getLogger(__name__)
+
+Step = TypeVar("Step", bound=Callable[..., Awaitable[Any]])
+# The lease keeper the running step adopted (each activity runs in a context of its own).
+_adopted: contextvars.ContextVar[LeaseKeeper | None] = contextvars.ContextVar("adopted_lease_keeper", default=None)
+
+
+def attempt_step(method: Step) -> Step:
+    """Marks an activity as a step of an attempt on the claiming worker's own task queue: it starts or adopts the
+    attempt's lease keeper, and hands it on or ends the attempt (the protocol above). Its start passes the
+    checkpoint `before:<name>`, where a test holds it. A step that returns with the keeper still held (neither
+    handed over nor finished) is a bug that would renew the lease for good, past the attempt's end: the keeper is
+    finished then, with an error in the log, and the lease lapses for recovery."""
+
+    @functools.wraps(method)
+    async def step(self: ExportActivitiesBase, request: Any) -> Any:
+        await self.checkpoints.reached(f"{checkpoints.BEFORE_STEP}{method.__name__}", request.job.id)
+        try:
+            return await method(self, request)
+        finally:
+            keeper = _adopted.get()
+            if keeper is not None and keeper.held:
+                log.error("step %s of export %s attempt %s ended with its lease keeper still held (neither handed "
+                          "over nor finished): finished now, the lease lapses for recovery", method.__name__,
+                          keeper.job_id, keeper.attempt_id)
+                await keeper.finish()
+
+    step.__attempt_step__ = True  # type: ignore[attr-defined]
+    return step  # type: ignore[return-value]
+
+
+def is_attempt_step(function: object) -> bool:
+    return bool(getattr(function, "__attempt_step__", False))
+
+
+def activity_methods(instance: object) -> list[Any]:
+    """Every activity an instance defines (its `@activity.defn` methods, bound), in name order: what a worker
+    registers, derived rather than listed by hand."""
+    return [member for _, member in inspect.getmembers(instance, inspect.ismethod)
+            if hasattr(member, "__temporal_activity_definition")]
 
 
 class ExportActivitiesBase:
@@ -34,6 +94,7 @@ class ExportActivitiesBase:
                                  on_done=lambda done: self._forget(key, done)).start()
             self.keepers[key] = keeper
         keeper.adopt(on_lost)
+        _adopted.set(keeper)
         return keeper
 
     async def close(self) -> None:

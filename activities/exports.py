@@ -30,6 +30,7 @@ from activities.contracts import (
 )
 from activities.delivery_activities import DeliveryActivities
 from activities.destination import InvalidDestination, validate_destination
+from activities.export_base import activity_methods
 from store import errors
 from store.models import ClaimResult, Status
 from workflows.identity import EXPORT_WORKFLOW_PREFIX
@@ -41,17 +42,7 @@ class ExportActivities(BuildActivities, DeliveryActivities):
     """Every activity of an export, registered under its method's name (the activity type that histories record)."""
 
     def all(self) -> list[Any]:
-        return [
-            self.create_export,
-            self.evaluate_policy,
-            self.claim,
-            self.claim_if_allowed,
-            self.build,
-            self.stop_attempt,
-            self.authorize_delivery,
-            self.deliver,
-            self.record_cancellation,
-        ]
+        return activity_methods(self)
 
     # --- shared task queue ------------------------------------------------------------------------------------
 
@@ -135,7 +126,8 @@ class ExportActivities(BuildActivities, DeliveryActivities):
 
     @activity.defn
     async def record_cancellation(self, request: CancelRequest) -> CancelOutput:
-        job_id = _uuid(activity.info().workflow_id.removeprefix(EXPORT_WORKFLOW_PREFIX))
+        # Only an export's run schedules it (a standalone activity would have no workflow ID: not an export's).
+        job_id = _uuid((activity.info().workflow_id or "").removeprefix(EXPORT_WORKFLOW_PREFIX))
         requested_by = request.requested_by
         if requested_by == TEMPORAL_CANCEL_OPERATOR:
             requested_by = await self._temporal_cancel_operator()
@@ -152,7 +144,7 @@ class ExportActivities(BuildActivities, DeliveryActivities):
         """Who cancelled the workflow, as Temporal recorded it in the cancel request's history event."""
         info = activity.info()
         identity = ""
-        handle = activity.client().get_workflow_handle(info.workflow_id, run_id=info.workflow_run_id)
+        handle = activity.client().get_workflow_handle(info.workflow_id or "", run_id=info.workflow_run_id)
         async for event in handle.fetch_history_events():
             if event.HasField("workflow_execution_cancel_requested_event_attributes"):
                 identity = event.workflow_execution_cancel_requested_event_attributes.identity

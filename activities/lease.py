@@ -26,7 +26,7 @@ from uuid import UUID
 
 from temporalio import activity
 
-from activities import metrics
+from activities.process import metrics
 from store.jobs import JobStore
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,11 @@ class LeaseKeeper:
     @property
     def done(self) -> bool:
         return self._finished or self._finishing or self.lost
+
+    @property
+    def held(self) -> bool:
+        """Adopted by a step, which must hand it over or finish it before it ends."""
+        return not self.done and self._adopt_by is None
 
     def start(self) -> LeaseKeeper:
         self._task = asyncio.create_task(self._run(), name=f"lease-{self.job_id}")

@@ -6,12 +6,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from temporalio import activity
 from temporalio.client import Client
 
-from activities import evidence, metrics
+from activities import evidence
 from activities.contracts import (
     Candidate,
     DestinationRef,
@@ -22,9 +22,11 @@ from activities.contracts import (
     Wake,
 )
 from activities.destination import DestinationConfig, PartnerContract
+from activities.export_base import activity_methods
 from activities.outcomes import FinalLook
 from activities.partner_delivery import sweep_temp_files
 from activities.partner_files import look_at_final
+from activities.process import metrics
 from store.jobs import JobStore
 from store.models import JobRow, Status
 from store.recovery import RESOLVED, Recovery
@@ -41,8 +43,7 @@ class RecoveryActivities:
         self._client = client
 
     def all(self) -> list[Any]:
-        return [self.nominate_expired, self.take_over, self.sweep, self.list_destinations,
-                self.sweep_partner_temp_files]
+        return activity_methods(self)
 
     @activity.defn
     async def nominate_expired(self, request: RecoveryInput) -> list[Candidate]:
@@ -52,7 +53,8 @@ class RecoveryActivities:
 
     @activity.defn
     async def take_over(self, candidate: Candidate) -> TakeoverOutput:
-        run_id = activity.info().workflow_run_id
+        # Started by RecoveryWorkflow only, so it always has the run's ID (None is for a standalone activity).
+        run_id = cast(str, activity.info().workflow_run_id)
         if candidate.status is Status.RUNNING:
             recorded = await self.recovery.take_over_running(StoreCandidate(**candidate.model_dump()), run_id)
             detail = ""
