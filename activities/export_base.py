@@ -41,9 +41,10 @@ _adopted: contextvars.ContextVar[LeaseKeeper | None] = contextvars.ContextVar("a
 def attempt_step(method: Step) -> Step:
     """Marks an activity as a step of an attempt on the claiming worker's own task queue: it starts or adopts the
     attempt's lease keeper, and hands it on or ends the attempt (the protocol above). Its start passes the
-    checkpoint `before:<name>`, where a test holds it. A step that returns with the keeper still held (neither
-    handed over nor finished) is a bug that would renew the lease for good, past the attempt's end: the keeper is
-    finished then, with an error in the log, and the lease lapses for recovery."""
+    checkpoint `before:<name>`, where a test holds it. Two bugs are logged as errors when the step ends: a keeper
+    still held (neither handed over nor finished), which would renew the lease for good, past the attempt's end, so
+    it is finished then and the lease lapses for recovery; and a keeper the previous step handed over that this step
+    never adopted, which stops renewing one lease after the hand-over, however long this step runs."""
 
     @functools.wraps(method)
     async def step(self: ExportActivitiesBase, request: Any) -> Any:
@@ -57,6 +58,11 @@ def attempt_step(method: Step) -> Step:
                           "over nor finished): finished now, the lease lapses for recovery", method.__name__,
                           keeper.job_id, keeper.attempt_id)
                 await keeper.finish()
+            waiting = self.keepers.get((request.job.id, request.attempt_id))
+            if keeper is None and waiting is not None and waiting.handed_over:
+                log.error("step %s of export %s attempt %s never adopted the lease keeper that the previous step "
+                          "handed over: it renews only until its hand-over ends", method.__name__, request.job.id,
+                          request.attempt_id)
 
     step.__attempt_step__ = True  # type: ignore[attr-defined]
     return step  # type: ignore[return-value]

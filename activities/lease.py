@@ -69,6 +69,11 @@ class LeaseKeeper:
         """Adopted by a step, which must hand it over or finish it before it ends."""
         return not self.done and self._adopt_by is None
 
+    @property
+    def handed_over(self) -> bool:
+        """Renewing for a step that has not adopted it yet."""
+        return not self.done and self._adopt_by is not None
+
     def start(self) -> LeaseKeeper:
         self._task = asyncio.create_task(self._run(), name=f"lease-{self.job_id}")
         return self

@@ -3,8 +3,9 @@ start for about a lease, finds the lease kept meanwhile, and the export complete
 
 Which steps: those a completed export of this release ran on the claiming worker's own task queue (its recorded
 history), so a step added to the workflow is held here too once its histories are recorded; each must be marked
-`@attempt_step`. A step that does not hand the lease keeper on, or that does not adopt it, lets the lease lapse
-during the hold of the step after it. (The build is not held: it is the first, and nothing is handed to it.)
+`@attempt_step`. A step that does not hand the lease keeper on lets the lease lapse during the hold of the step
+after it; one that does not adopt it is named in the log as it ends. (The build is not held: it is the first, and
+nothing is handed to it.)
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def test_step_hand_over__every_step_on_the_worker_is_an_attempt_step():
 @pytest.mark.spec("LK1")
 @pytest.mark.parametrize("step", steps_on_the_worker()[1:])
 async def test_step_hand_over__a_step_held_at_its_start_for_about_a_lease_finds_the_lease_kept(
-        db, store, client, tmp_path, step):
+        db, store, client, tmp_path, caplog, step):
     async with AsyncExitStack() as stack:
         h = await open_harness(stack, db, store, client, tmp_path, lease_seconds=LEASE, renew_every_seconds=RENEW)
         assert h.activities is not None
@@ -93,4 +94,6 @@ async def test_step_hand_over__a_step_held_at_its_start_for_about_a_lease_finds_
     assert hold.held_from is not None and hold.held_until is not None, f"{step} was never held"
     assert hold.held_until - hold.held_from >= HOLD
     assert not lapsed, f"the lease lapsed while {step} was held: {lapsed}"
+    broken = [r.getMessage() for r in caplog.records if r.name == "activities.export_base" and r.levelname == "ERROR"]
+    assert not broken, broken
     assert (row.status, row.attempt_count) == (Status.COMPLETED, 1)
