@@ -7,8 +7,6 @@ search attributes the test registers, and a fresh migrated database per test."""
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 import tomllib
 from pathlib import Path
 
@@ -17,22 +15,14 @@ from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
 
 from starter import preflight
 from store.db import head_revision, known_revisions
-from store.settings import Settings, as_env
-from tests.deploy.test_preflight import all_but, namespace_with, worker_settings
+from store.settings import Settings
 from tests.helpers.harness import WorkerProcess
-from tests.helpers.support import Ran, eventually, run_command
+from tests.helpers.namespaces import all_but, namespace_with, worker_settings
+from tests.helpers.support import EXPORTS, eventually, exports_command
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPORTS = Path(sys.executable).parent / "exports"
 BOUND = 60.0
 PREVIOUS = known_revisions()[-2]
-
-
-async def exports(settings: Settings, *args: str, cwd: Path) -> Ran:
-    """The `exports` command with exactly these settings (no EXPORTS_* or TEMPORAL_* of this process)."""
-    kept = {k: v for k, v in os.environ.items() if not k.startswith(("EXPORTS_", "TEMPORAL_"))}
-    env = {**kept, "TERM": "dumb", "COLUMNS": "250", **as_env(settings)}
-    return await run_command(str(EXPORTS), *args, env=env, cwd=cwd, bound=BOUND)
 
 
 async def registered(client) -> dict[str, str]:
@@ -55,7 +45,7 @@ async def test_setup_adds_the_missing_search_attribute_then_the_worker_polls_and
         db, tmp_path):
     async with namespace_with(all_but("ExportConfirmedBy")) as env:
         settings = worker_settings(db, env, tmp_path)
-        first = await exports(settings, "setup", cwd=tmp_path)
+        first = await exports_command(settings, "setup", cwd=tmp_path)
         assert first.code == 0 and first.stderr == "", first
         others = ", ".join(f"{name} ({kind})" for name, kind in all_but("ExportConfirmedBy").items())
         assert first.stdout.splitlines() == [
@@ -74,7 +64,7 @@ async def test_setup_adds_the_missing_search_attribute_then_the_worker_polls_and
             await worker.stop()
         assert "preflight" not in worker.log_path.read_text()
 
-        second = await exports(settings, "setup", cwd=tmp_path)
+        second = await exports_command(settings, "setup", cwd=tmp_path)
         assert second.code == 0 and second.stderr == "", second
         everything = ", ".join(f"{name} ({kind})" for name, kind in preflight.expected_search_attributes().items())
         assert second.stdout.splitlines() == [
@@ -84,7 +74,7 @@ async def test_setup_adds_the_missing_search_attribute_then_the_worker_polls_and
 @pytest.mark.spec("UP4")
 async def test_setup_adds_what_is_missing_and_refuses_an_attribute_of_another_type_in_one_line(db, tmp_path):
     async with namespace_with(all_but("DeliveryKey", ExportAttempts="Keyword")) as env:
-        ran = await exports(worker_settings(db, env, tmp_path), "setup", cwd=tmp_path)
+        ran = await exports_command(worker_settings(db, env, tmp_path), "setup", cwd=tmp_path)
         assert ran.code == 4, ran
         assert "added DeliveryKey (Keyword) to namespace default" in ran.stdout.splitlines(), ran
         lines = ran.stderr.splitlines()
@@ -100,32 +90,32 @@ async def test_migrate_to_the_previous_revision_and_back(db, tmp_path):
         return bool(await db.admin.fetchval("SELECT count(*) FROM information_schema.columns WHERE "
                                             "table_name = 'export_jobs' AND column_name = 'final_name'"))
 
-    down = await exports(settings, "migrate", "--to", PREVIOUS, cwd=tmp_path)
+    down = await exports_command(settings, "migrate", "--to", PREVIOUS, cwd=tmp_path)
     assert down.code == 0 and f"at {PREVIOUS} (was {head_revision()})" in down.stdout, down
     assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == PREVIOUS
     assert not await final_name_column()  # the head's migration, undone
 
-    up = await exports(settings, "migrate", "--to", head_revision(), cwd=tmp_path)
+    up = await exports_command(settings, "migrate", "--to", head_revision(), cwd=tmp_path)
     assert up.code == 0 and f"at {head_revision()} (was {PREVIOUS})" in up.stdout, up
     assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == head_revision()
     assert await final_name_column()
     # The worker's checks pass again, grants included.
     assert await preflight.check_database(settings) == preflight.DatabaseCheck([])
 
-    again = await exports(settings, "migrate", cwd=tmp_path)
+    again = await exports_command(settings, "migrate", cwd=tmp_path)
     assert again.code == 0 and f"already at {head_revision()}" in again.stdout, again
 
 
 async def test_migrate_to_an_unknown_revision_or_from_a_newer_one_is_one_line_and_changes_nothing(db, tmp_path):
     settings = db.settings()
-    unknown = await exports(settings, "migrate", "--to", "0099", cwd=tmp_path)
+    unknown = await exports_command(settings, "migrate", "--to", "0099", cwd=tmp_path)
     assert unknown.code == 2 and unknown.stdout == "", unknown
     assert unknown.stderr.splitlines() == [
         f"error: unknown revision '0099': this release knows {', '.join(known_revisions())} (or head)"], unknown
     assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == head_revision()
 
     await db.admin.execute("UPDATE alembic_version SET version_num = '0099'")  # as a newer release leaves it
-    newer = await exports(settings, "migrate", "--to", PREVIOUS, cwd=tmp_path)
+    newer = await exports_command(settings, "migrate", "--to", PREVIOUS, cwd=tmp_path)
     assert newer.code == 2 and len(newer.stderr.splitlines()) == 1, newer
     assert "database at revision 0099, which this release does not know" in newer.stderr, newer
     assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == "0099"
@@ -134,7 +124,7 @@ async def test_migrate_to_an_unknown_revision_or_from_a_newer_one_is_one_line_an
 
 
 async def test_migrate_sql_writes_a_downgrade_that_applies(db, tmp_path):
-    printed = await exports(Settings(_env_file=None), "migrate", "--sql", "--from", head_revision(), "--to",
+    printed = await exports_command(Settings(_env_file=None), "migrate", "--sql", "--from", head_revision(), "--to",
                             PREVIOUS, cwd=tmp_path)
     assert printed.code == 0, printed
     assert f"Running downgrade {head_revision()} -> {PREVIOUS}" in printed.stdout, printed

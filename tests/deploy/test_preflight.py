@@ -9,57 +9,27 @@ database per test, changed as an upgrade would find it (a revision behind, a new
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 from temporalio.api.enums.v1 import EventType
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError, RPCStatusCode
-from temporalio.testing import WorkflowEnvironment
 
 from activities.contracts import ExportInput
 from starter import preflight
-from starter.localstack.temporal import temporal_binary
 from store.db import head_revision, known_revisions
-from store.settings import Settings, as_env
+from store.settings import Settings
 from tests.helpers.faults import fault_proxy
 from tests.helpers.harness import WorkerProcess
-from tests.helpers.support import create_job, eventually, run_command, seed_tenant
+from tests.helpers.namespaces import all_but, namespace_with, worker_settings
+from tests.helpers.support import create_job, eventually, exports_command, seed_tenant
 from workflows.identity import export_workflow_id
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPORTS = Path(sys.executable).parent / "exports"
 # A worker that refuses to start does so within seconds of its start; the bound only catches one that polls.
 EXIT_BOUND = 60.0
 PREVIOUS = known_revisions()[-2]
-
-
-@asynccontextmanager
-async def namespace_with(kinds: dict[str, str]) -> AsyncIterator[WorkflowEnvironment]:
-    """A dev server of the test's own whose namespace has only these search attributes ({name: kind})."""
-    args = [arg for name, kind in kinds.items() for arg in ("--search-attribute", f"{name}={kind}")]
-    env = await asyncio.wait_for(WorkflowEnvironment.start_local(
-        data_converter=pydantic_data_converter, dev_server_existing_path=temporal_binary(),
-        dev_server_extra_args=args, dev_server_log_level="error"), 60)
-    try:
-        yield env
-    finally:
-        await asyncio.wait_for(env.shutdown(), 30)
-
-
-def all_but(name: str, **changed: str) -> dict[str, str]:
-    """This release's search attributes without `name`, with kinds changed as given."""
-    return {k: changed.get(k, v) for k, v in preflight.expected_search_attributes().items() if k != name}
-
-
-def worker_settings(db, env: WorkflowEnvironment, tmp_path: Path, **overrides: object) -> Settings:
-    return db.settings(temporal_address=env.client.service_client.config.target_host,
-                       task_queue=f"up4-{uuid.uuid4().hex[:8]}", work_dir=tmp_path / "work", **overrides)
 
 
 async def worker_exit(settings: Settings) -> tuple[int | None, str]:
@@ -79,11 +49,6 @@ async def worker_exit(settings: Settings) -> tuple[int | None, str]:
 def problem_lines(log: str) -> list[str]:
     """The preflight's problem lines (not its closing line)."""
     return [line for line in log.splitlines() if "preflight: " in line and "problem(s) above" not in line]
-
-
-def clean_env(settings: Settings) -> dict[str, str]:
-    kept = {k: v for k, v in os.environ.items() if not k.startswith(("EXPORTS_", "TEMPORAL_"))}
-    return {**kept, "TERM": "dumb", "COLUMNS": "250", **as_env(settings)}
 
 
 @pytest.mark.spec("UP4")
@@ -131,12 +96,12 @@ async def test_a_database_a_revision_behind_is_named_with_both_revisions_through
         db, client, tmp_path):
     settings = db.settings(temporal_address=client.service_client.config.target_host,
                            task_queue=f"up4-{uuid.uuid4().hex[:8]}", work_dir=tmp_path / "work")
-    down = await run_command(str(EXPORTS), "migrate", "--to", PREVIOUS, env=clean_env(settings), cwd=tmp_path,
+    down = await exports_command(settings, "migrate", "--to", PREVIOUS, cwd=tmp_path,
                              bound=60)
     assert down.code == 0, down
     assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == PREVIOUS
 
-    ran = await run_command(str(EXPORTS), "worker", env=clean_env(settings), cwd=tmp_path, bound=EXIT_BOUND)
+    ran = await exports_command(settings, "worker", cwd=tmp_path, bound=EXIT_BOUND)
 
     assert ran.code == 2, ran
     lines = problem_lines(ran.stderr)
@@ -177,7 +142,7 @@ async def test_a_revoked_grant_is_named_with_role_table_and_privilege_and_export
         f"published_at): {fix}",
     ], log
 
-    migrated = await run_command(str(EXPORTS), "migrate", env=clean_env(settings), cwd=tmp_path, bound=60)
+    migrated = await exports_command(settings, "migrate", cwd=tmp_path, bound=60)
     assert migrated.code == 0, migrated
     assert await preflight.check_database(settings) == preflight.DatabaseCheck([])
 

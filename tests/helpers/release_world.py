@@ -15,17 +15,16 @@ from pathlib import Path
 
 import asyncpg
 from temporalio.client import Client, WorkflowExecutionDescription
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
 from starter.localstack import processes
 from starter.localstack.partner import LocalPartner
-from starter.localstack.temporal import temporal_binary
 from store.db import asyncpg_dsn
 from store.settings import Settings
+from tests.helpers.namespaces import namespace_with
 from tests.helpers.releases import ROOT, ReleaseCode
-from tests.helpers.support import Ran, eventually, process_env, run_command, seed_tenant
+from tests.helpers.support import Ran, eventually, exports_command, process_env, seed_tenant
 from workflows.identity import export_workflow_id
 
 # Every process of a world, whichever release: seconds, not minutes, so that a lease lapses while a test watches.
@@ -99,8 +98,7 @@ class ReleaseWorld:
 
     async def todays_command(self, *args: str, bound: float = 60, **overrides: object) -> Ran:
         """This checkout's `exports` command line, on this world."""
-        return await run_command(str(Path(sys.executable).parent / "exports"), *args,
-                                 env=process_env(self.settings(**overrides)), cwd=ROOT, bound=bound)
+        return await exports_command(self.settings(**overrides), *args, cwd=ROOT, bound=bound)
 
     async def todays_worker(self, **overrides: object) -> ReleaseWorker:
         """A worker process of this checkout's code."""
@@ -139,13 +137,7 @@ async def release_world(code: ReleaseCode, pg_server, tmp_path: Path, **settings
 
         kinds = await code.python(_ATTRIBUTES_OF_RELEASE, settings=bootstrap)
         assert kinds.code == 0, kinds
-        extra: list[str] = []
-        for name, kind in json.loads(kinds.stdout).items():
-            extra += ["--search-attribute", f"{name}={kind}"]
-        temporal = await WorkflowEnvironment.start_local(
-            data_converter=pydantic_data_converter, dev_server_existing_path=temporal_binary(),
-            dev_server_extra_args=extra, dev_server_log_level="error")
-        stack.push_async_callback(temporal.shutdown)
+        temporal = await stack.enter_async_context(namespace_with(json.loads(kinds.stdout)))
 
         partner = LocalPartner(tmp_path / "partner")
         await asyncio.wait_for(partner.start(), 30)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -90,9 +91,10 @@ async def delivery_evidence(admin: asyncpg.Connection, job_id: uuid.UUID) -> lis
 
 
 def process_env(settings: Settings) -> dict[str, str]:
-    """The environment of a process that reads exactly these settings (and no EXPORTS_* of this one), whichever
-    release it runs."""
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("EXPORTS_")}, **as_env(settings)}
+    """The environment of a process that reads exactly these settings (no EXPORTS_* or TEMPORAL_* of this one),
+    whichever release it runs; its output unwrapped and uncoloured."""
+    kept = {k: v for k, v in os.environ.items() if not k.startswith(("EXPORTS_", "TEMPORAL_"))}
+    return {**kept, "TERM": "dumb", "COLUMNS": "250", **as_env(settings)}
 
 
 class Ran:
@@ -118,3 +120,12 @@ async def run_command(*args: str, env: dict[str, str], cwd: Path, bound: float) 
         raise AssertionError(f"{args} did not end within {bound} s") from None
     return Ran(process.returncode, out.decode(errors="backslashreplace"), err.decode(errors="backslashreplace"),
                time.monotonic() - started)
+
+
+# This checkout's `exports` command line.
+EXPORTS = Path(sys.executable).parent / "exports"
+
+
+async def exports_command(settings: Settings, *args: str, cwd: Path, bound: float = 60) -> Ran:
+    """This checkout's `exports` with exactly these settings, run to its end within `bound`."""
+    return await run_command(str(EXPORTS), *args, env=process_env(settings), cwd=cwd, bound=bound)

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from store.settings import as_env
-from tests.helpers.support import run_command
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.support import Ran, exports_command
 
 
-async def exports(db, *args: str, **overrides: object):
-    env = {"PATH": "/usr/bin:/bin", **as_env(db.settings(**overrides))}
-    return await run_command(str(Path(sys.executable).parent / "exports"), *args, env=env, cwd=ROOT, bound=60)
+async def exports(db, *args: str, **overrides: object) -> Ran:
+    return await exports_command(db.settings(**overrides), *args, cwd=Path(__file__).parent)
 
 
 @pytest.mark.spec("UP1")
