@@ -18,6 +18,7 @@ AFTER_CLAIM = "after_claim"          # the claim statement answered; the activit
 BUILD_STARTED = "build_started"      # the build activity has renewed its lease and is about to build
 BUILD_CANCELLED = "build_cancelled"  # the build was cancelled; the lease still kept, the stop not yet written
 BEFORE_CUTOFF_2 = "before_cutoff_2"  # the file is built; cutoff 2 not yet attempted
+AFTER_CUTOFF_2 = "after_cutoff_2"    # cutoff 2 committed; its step has not yet answered
 BEFORE_UPLOAD = "before_upload"      # cutoff 2 committed; nothing sent yet
 AFTER_RECEIPT = "after_receipt"      # the partner confirmed the file; the terminal write not yet made
 BEFORE_STEP = "before:"              # + a step's name: an attempt step started, its lease keeper not yet adopted

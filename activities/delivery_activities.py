@@ -30,7 +30,12 @@ class DeliveryActivities(ExportActivitiesBase):
     @attempt_step
     async def authorize_delivery(self, request: AuthorizeInput) -> AuthorizeOutput:
         """Cutoff 2, and what its refusal means. The file is removed unless delivery was authorized; the lease is
-        handed on to the delivery only then."""
+        handed on to the delivery only then. It heartbeats, so that a worker that dies here is noticed within a
+        lease (its heartbeat timeout), not after the step's whole timeout."""
+        async with self._heartbeating(lambda: None):
+            return await self._authorize_delivery(request)
+
+    async def _authorize_delivery(self, request: AuthorizeInput) -> AuthorizeOutput:
         job, attempt_id, file = request.job, request.attempt_id, request.file
         lease = self._keeper(job.id, attempt_id, file.holder)
         result = AuthorizationResult.UNKNOWN
@@ -54,6 +59,7 @@ class DeliveryActivities(ExportActivitiesBase):
                                                    holder=file.holder)
             # LeaseLapsed again, NotOwner or Unknown: write nothing to the row; recovery takes it from there.
             if result is AuthorizationResult.AUTHORIZED:
+                await self.checkpoints.reached(checkpoints.AFTER_CUTOFF_2, job.id)
                 self._hand_over(lease)
             else:
                 remove_local_file(file.path)

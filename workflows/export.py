@@ -270,6 +270,9 @@ class ExportWorkflow:
                 ExportActivities.authorize_delivery,
                 AuthorizeInput(job=attempt.job, attempt_id=attempt.attempt_id, file=built.file),
                 start_to_close_timeout=timedelta(seconds=60),
+                # A worker that dies after cutoff 2 committed is noticed within a lease, so that the run reads the
+                # row recovery settled without waiting out the whole timeout. Options are not replayed: unpatched.
+                heartbeat_timeout=lease,
                 summary="cutoff 2: authorize delivery",
                 **_on_worker(built, lease),
             )

@@ -43,7 +43,7 @@ from tests.helpers.faults import CLAIM_STATEMENT, PgFaultProxy, fault_proxy
 from tests.helpers.harness import Harness, held_at, run_recovery
 from tests.helpers.partner import outbound_names
 from tests.helpers.support import eventually
-from workflows.identity import export_workflow_id
+from workflows.identity import EXPORT_STATUS, export_workflow_id
 
 # --- reading the workflow's history ------------------------------------------------------------------------------
 
@@ -281,6 +281,41 @@ async def test_crash_after_receipt_before_terminal_write__recovery_records_compl
     assert outbound_names(h.partner) == [row.final_name]
     assert list((h.partner.root / "incoming-tmp").iterdir()) == []
     assert len(named(await activity_runs(h, job_id), "deliver")) == 1  # never a second upload
+
+
+# --- LV6: killed between cutoff 2's commit and its answer -------------------------------------------------------
+
+
+@pytest.mark.spec("LV6")
+async def test_killed_after_cutoff_2_committed__the_run_reads_the_settled_row_within_a_lease(crash_harness):
+    """Cutoff 2 committed, then its worker died before the step answered. Recovery settles the row after the lease;
+    the run must see that within about a lease, not after the step's whole start-to-close timeout (60 s)."""
+    h = crash_harness
+    async with processes(h) as started:
+        crashing = await start_worker(started, h, hold_at="after_cutoff_2")
+        job_id = await h.create()
+        await held_at(h.settings, "after_cutoff_2", job_id)
+        authorized = await h.store.read_job(job_id)
+        assert authorized.status is Status.DELIVERING  # the authorization committed before the kill
+        crashing.kill()
+        await start_worker(started, h)  # a survivor for the workflow and recovery
+        await wait_lease_expired(h, job_id)
+        report = await asyncio.wait_for(run_recovery(h.client, h.settings), timeout=30)
+        assert recorded_for(report, job_id) == ["ResolvedByRecovery"]
+        settled_at = asyncio.get_running_loop().time()
+        handle = h.client.get_workflow_handle(export_workflow_id(job_id), result_type=ExportResult)
+        result = await asyncio.wait_for(handle.result(), timeout=20)
+        took = asyncio.get_running_loop().time() - settled_at
+
+    row = await h.store.read_job(job_id)
+    assert row.status is Status.OUTCOME_UNKNOWN  # nothing was uploaded, and a paused worker might still upload
+    assert (result.status, took < 3 * h.settings.lease_seconds + 5) == (Status.OUTCOME_UNKNOWN, True), took
+    assert outbound_names(h.partner) == []
+    runs = await activity_runs(h, job_id)
+    assert [r.outcome for r in named(runs, "authorize_delivery")] == ["timed_out"]
+    assert not named(runs, "deliver")
+    described = await handle.describe()
+    assert described.typed_search_attributes.get(EXPORT_STATUS) == "OutcomeUnknown"
 
 
 # --- LR3 / LR4: the claim's response lost, and the re-read failing too ----------------------------------------------
