@@ -97,7 +97,8 @@ async def running_worker(
     activities = ExportActivities(store, settings, worker_id=worker_id, worker_task_queue=own_queue)
     activities.checkpoints = checkpoints_for(settings.hold_at, Path(settings.work_dir))
     recovery = RecoveryActivities(
-        store, Recovery(engine, max_attempts=settings.max_attempts, on_ended=metrics.ended), client=client)
+        store, Recovery(engine, max_attempts=settings.max_attempts, on_ended=metrics.ended), client=client,
+        view_window_seconds=settings.recovery_view_window_seconds)
     # Cancellation reaches an activity only with a heartbeat the SDK sends: keep them frequent (FACTS.md).
     throttle = timedelta(seconds=settings.heartbeat_throttle_seconds)
     common = WorkerOptions(

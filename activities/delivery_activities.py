@@ -86,18 +86,21 @@ class DeliveryActivities(ExportActivitiesBase):
         """Past the point of no return: stop requests are recorded, not obeyed, a lost lease does not stop the
         upload, and neither does the activity's cancellation (a terminated workflow, a shutdown): the upload
         runs shielded to its end, so that its evidence and terminal write are made."""
-        return await run_to_end(
-            self._deliver(request),
-            on_cancel=lambda: log.warning("export %s: cancellation during delivery is ignored; the upload finishes",
-                                          request.job.id),
-        )
+        cancelled = asyncio.Event()
 
-    async def _deliver(self, request: DeliverInput) -> DeliverOutput:
+        def on_cancel() -> None:
+            cancelled.set()
+            log.warning("export %s: cancellation during delivery is ignored; the upload finishes", request.job.id)
+
+        return await run_to_end(self._deliver(request, cancelled), on_cancel=on_cancel)
+
+    async def _deliver(self, request: DeliverInput, cancelled: asyncio.Event) -> DeliverOutput:
         job, attempt_id, file = request.job, request.attempt_id, request.file
         progress = {"sent": 0, "total": file.size}
         observed_by = f"{self.worker_id}/{attempt_id}"
 
-        evidence = EvidenceLog(lambda detail: self.store.append_evidence(job.id, attempt_id, observed_by, detail),
+        evidence = EvidenceLog(lambda detail: self.store.append_evidence(job.id, attempt_id, observed_by, detail,
+                                                                         holder=file.holder),
                                attempt=attempt_id)
         record_evidence = evidence.record
 
@@ -133,8 +136,10 @@ class DeliveryActivities(ExportActivitiesBase):
                 failure = FailureCode(result.failure_reason) if result.failure_reason else None
                 async def evidence_then_outcome() -> bool:
                     await evidence.flush()
+                    # Cancelled, the run may be gone (terminated) and never read this write: wake the export.
                     return await self.store.finish_delivery(job.id, attempt_id, outcome, failure, result.summary,
-                                                            holder=file.holder, confirmed_by=result.confirmed_by)
+                                                            holder=file.holder, confirmed_by=result.confirmed_by,
+                                                            wake=cancelled.is_set())
 
                 # Only this attempt knows what happened at the partner: wait out an outage rather than leave
                 # recovery to judge without the receipt. The keeper keeps renewing meanwhile.

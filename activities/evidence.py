@@ -14,6 +14,10 @@ baseline; for a replacement, only its own recorded one, or its recorded overwrit
 sha256 or acknowledgment where the contract offers one, by size only where it offers none (and for a replacement
 only where name and size identify a file by contract). Never Failed from an absent file: a paused worker can
 outlast any timeout. Everything else is OutcomeUnknown, for reconciliation.
+
+Only the attempt's holder's records count: the database keeps a record's holder only while that holder held the
+Delivering row (store/migrations/versions/0008), so no other role, and no writer naming another attempt, can add a
+receipt recovery would take. A malformed record is reported and skipped, and the rest are judged as usual.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, TypedDict
+
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from activities import outcomes
 from activities.destination import PartnerContract
@@ -59,16 +65,61 @@ class EvidenceLog:
             self._kept.pop(0)
 
 
-def attempt_evidence(events: list[dict[str, Any]], attempt_id: object) -> list[dict[str, Any]]:
-    """The DeliveryEvidence records of one attempt, oldest first, as the dicts the attempt appended."""
-    found = []
+class _Final(BaseModel):
+    """What a look at the final name recorded (outcomes.RemoteFile as dumped)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    exists: bool
+    size: int | None = None
+
+
+class _Record(BaseModel):
+    """The fields of an attempt's evidence that recovery judges by, with the types the attempt wrote. A record
+    that does not fit is skipped, never guessed at."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    step: str
+    final: _Final | None = None
+    sha256: str | None = None
+    sha256_error: str | None = None
+    acknowledged_sha256: str | None = None
+    overwrite: bool = False
+    decision: str | None = None
+
+
+HOLDER = "recorded_by_holder"  # added to each record judged by: its provenance, as the database stamped it
+
+
+class AttemptEvidence(NamedTuple):
+    records: list[dict[str, Any]]  # by the attempt's holder, well formed, oldest first
+    skipped: list[str]             # one line per record not judged by, and why
+
+
+def attempt_evidence(events: list[dict[str, Any]], attempt_id: object) -> AttemptEvidence:
+    """The DeliveryEvidence records of one attempt that recovery may judge by: appended by the attempt's holder
+    while it held the Delivering row (the database keeps `worker_id` only then: migration 0008), and well formed.
+    Records by anyone else (the reconciler, recovery's own looks, a writer naming another attempt) are kept for
+    people and not judged by; a malformed one is reported and skipped."""
+    records: list[dict[str, Any]] = []
+    skipped: list[str] = []
     for event in events:
-        if event["kind"] == "DeliveryEvidence" and event["attempt_id"] == attempt_id and event["detail"]:
-            try:
-                found.append(json.loads(event["detail"]))
-            except ValueError:
-                continue
-    return found
+        if event["kind"] != "DeliveryEvidence" or event["attempt_id"] != attempt_id or not event["detail"]:
+            continue
+        if not event.get("worker_id"):
+            continue  # not the holder's: recovery's own looks are among these, and are not skipped news
+        try:
+            detail = json.loads(event["detail"])
+            _Record.model_validate(detail)
+        except ValueError as exc:
+            why = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else "not JSON"
+            skipped.append(f"evidence event {event.get('id')} of attempt {attempt_id} is malformed ({why}); skipped")
+            continue
+        if detail.get("step") == "receipt" and detail.get("final") is None:
+            skipped.append(f"evidence event {event.get('id')} of attempt {attempt_id} is a receipt without a "
+                           "listing; skipped")
+            continue
+        records.append({**detail, HOLDER: event["worker_id"]})
+    return AttemptEvidence(records, skipped)
 
 
 class Judgement(NamedTuple):
@@ -110,7 +161,7 @@ def judge(row: JobRow, evidence: list[dict[str, Any]], look: outcomes.FinalLook 
                                   sha256=receipt.get("sha256"), sha256_error=receipt.get("sha256_error"),
                                   acknowledged_sha256=receipt.get("acknowledged_sha256"))
         return _judged(outcomes.after_rename(seen, overwrite=overwrite or bool(receipt.get("overwrite")), **rule),
-                       "receipt appended by the attempt")
+                       f"receipt appended by the attempt's holder {receipt.get(HOLDER)}")
 
     name = row.expected_file_name
     if look is None:

@@ -64,7 +64,8 @@ class ExportActivities(BuildActivities, DeliveryActivities):
                 raise ApplicationError("an export with this ID already exists", type=error_types.EXPORT_ID_TAKEN,
                                        non_retryable=True) from None
         except errors.ConstraintViolation as exc:
-            raise error_types.store_refusal(exc, str(exc)) from exc
+            # Without its cause: the run reports the innermost error, which would be the driver's text.
+            raise error_types.store_refusal(exc, str(exc)) from None
 
     @activity.defn
     async def evaluate_policy(self, job_id: str) -> Evaluation:

@@ -186,7 +186,11 @@ class LeaseKeeper:
 
 @asynccontextmanager
 async def heartbeating(every: float, details: Callable[[], Any] = lambda: None) -> AsyncIterator[None]:
-    """Heartbeats for the current activity while the block runs (created in its context, so they are its own)."""
+    """Heartbeats for the current activity while the block runs (created in its context, so they are its own);
+    none when the step runs outside an activity (called directly)."""
+    if not activity.in_activity():
+        yield
+        return
 
     async def beat() -> None:
         while True:

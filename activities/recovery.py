@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import time
 import uuid
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 from temporalio import activity
@@ -19,7 +22,6 @@ from activities.contracts import (
     RecoveryInput,
     SweepInput,
     TakeoverOutput,
-    Wake,
 )
 from activities.destination import DestinationConfig, PartnerContract
 from activities.export_base import activity_methods
@@ -27,20 +29,27 @@ from activities.outcomes import FinalLook
 from activities.partner_delivery import sweep_temp_files
 from activities.partner_files import look_at_final
 from activities.process import metrics
+from store import errors
 from store.jobs import JobStore
 from store.models import JobRow, Status
 from store.recovery import RESOLVED, Recovery
 from store.recovery import Candidate as StoreCandidate
-from workflows.identity import export_workflow_id
+from workflows.identity import EXPORT_STATUS, job_id_of
 
 log = logging.getLogger(__name__)
 
+# A recovery run's rounds nominate one after another: its look for runs that closed early is made once.
+_VIEW_CHECK_GAP_SECONDS = 1.0
+
 
 class RecoveryActivities:
-    def __init__(self, store: JobStore, recovery: Recovery, *, client: Client | None = None) -> None:
+    def __init__(self, store: JobStore, recovery: Recovery, *, client: Client | None = None,
+                 view_window_seconds: float = 86400.0) -> None:
         self.store = store
         self.recovery = recovery
         self._client = client
+        self.view_window_seconds = view_window_seconds
+        self._views_checked_at = -math.inf
 
     def all(self) -> list[Any]:
         return activity_methods(self)
@@ -48,23 +57,70 @@ class RecoveryActivities:
     @activity.defn
     async def nominate_expired(self, request: RecoveryInput) -> list[Candidate]:
         found = await self.recovery.nominate(request.limit)
+        await self._wake_runs_closed_early(limit=request.limit)
         return [Candidate(job_id=c.job_id, attempt_id=c.attempt_id, status=c.status,
                           stop_request_id=c.stop_request_id, attempt_count=c.attempt_count) for c in found]
+
+    async def _wake_runs_closed_early(self, *, limit: int) -> None:
+        """Exports whose latest run closed showing a state the row has not settled in (Queued, Running,
+        Delivering, or none yet): terminated, say, with the row settled since by its upload or left Queued with
+        nothing to drive it, or a second start that failed (it shows nothing) over a settled export. Each gets one
+        wake-up through the outbox; the run it starts reads the row, so the result and the search attributes
+        follow the row, and a queued export is claimed, within one recovery interval. Best effort: visibility
+        that cannot be read is logged, and expired attempts are still nominated."""
+        if time.monotonic() - self._views_checked_at < _VIEW_CHECK_GAP_SECONDS:
+            return  # the rounds of one run nominate again at once: one look per run suffices
+        self._views_checked_at = time.monotonic()
+        since = datetime.now(UTC) - timedelta(seconds=self.view_window_seconds)
+        query = (f"WorkflowType = 'ExportWorkflow' AND ExecutionStatus != 'Running' AND "
+                 f"({EXPORT_STATUS.name} IN ('Queued', 'Running', 'Delivering') OR {EXPORT_STATUS.name} IS NULL) AND "
+                 f"CloseTime > '{since.strftime('%Y-%m-%dT%H:%M:%SZ')}'")
+        woken = 0
+        try:
+            client = self._client or activity.client()
+            async for found in client.list_workflows(query, limit=limit):
+                job_id = job_id_of(found.id)
+                if job_id is None:
+                    continue
+                latest = await client.get_workflow_handle(found.id).describe()
+                if latest.run_id != found.run_id:
+                    continue  # a later run tells
+                if await self.recovery.wake_behind_run(uuid.UUID(job_id)):
+                    woken += 1
+                    log.info("export %s: its last run (%s) closed showing %s; woken to read its row", job_id,
+                             found.status.name if found.status else "?",
+                             found.typed_search_attributes.get(EXPORT_STATUS))
+        except Exception as exc:
+            log.warning("recovery could not look for exports whose last run closed early: %s",
+                        errors.describe(exc))
+        metrics.VIEWS_BEHIND.inc(woken)
 
     @activity.defn
     async def take_over(self, candidate: Candidate) -> TakeoverOutput:
         # Started by RecoveryWorkflow only, so it always has the run's ID (None is for a standalone activity).
         run_id = cast(str, activity.info().workflow_run_id)
-        if candidate.status is Status.RUNNING:
-            recorded = await self.recovery.take_over_running(StoreCandidate(**candidate.model_dump()), run_id)
-            detail = ""
-        else:
-            recorded, detail = await self._resolve_delivering(candidate, run_id)
+        try:
+            if candidate.status is Status.RUNNING:
+                recorded = await self.recovery.take_over_running(StoreCandidate(**candidate.model_dump()), run_id)
+                detail = ""
+            else:
+                recorded, detail = await self._resolve_delivering(candidate, run_id)
+        except Exception as exc:
+            if errors.is_transient(exc):
+                raise  # retried by the run: the database is away for every candidate alike
+            # One export's fault (a bug, a row no statement expected) fails neither the run nor the others'
+            # takeovers; the next run nominates it again.
+            log.error("recovery %s: takeover of %s attempt %s failed, left to the next run: %s", run_id,
+                      candidate.job_id, candidate.attempt_id, errors.describe(exc))
+            metrics.takeover("Failed")
+            return TakeoverOutput(job_id=candidate.job_id, recorded=None,
+                                  detail=f"takeover failed: {errors.describe(exc)}"[:500])
         metrics.takeover(recorded)
         if recorded is not None:
+            # The statement also wrote an outbox row: the dispatcher wakes the export's workflow, or starts a run
+            # if it has closed, so its result and search attributes follow the row.
             log.info("recovery %s: %s for %s attempt %s %s", run_id, recorded, candidate.job_id,
                      candidate.attempt_id, detail)
-            await self._wake(candidate.job_id)
         return TakeoverOutput(job_id=candidate.job_id, recorded=recorded, detail=detail)
 
     async def _resolve_delivering(self, candidate: Candidate, run_id: str) -> tuple[str | None, str]:
@@ -76,8 +132,11 @@ class RecoveryActivities:
         config = DestinationConfig.from_row(destination) if destination is not None else None
         look = await self._look(row, config)
         contract = config.contract if config is not None else PartnerContract()
-        resolution, summary, confirmed_by = evidence.judge(row, evidence.attempt_evidence(events, row.attempt_id),
-                                                           look, contract)
+        judged_by = evidence.attempt_evidence(events, row.attempt_id)
+        for line in judged_by.skipped:
+            log.warning("recovery %s: export %s: %s", run_id, row.id, line)
+            metrics.EVIDENCE_SKIPPED.labels(why="malformed").inc()
+        resolution, summary, confirmed_by = evidence.judge(row, judged_by.records, look, contract)
         # Recovery's own look at the destination is evidence too; reconciliation reads it later.
         await self.store.append_evidence(row.id, row.attempt_id, f"recovery/{run_id}", {
             "step": "recovery_look", "final": dataclasses.asdict(look) if look else None,
@@ -94,14 +153,6 @@ class RecoveryActivities:
         except Exception as exc:
             log.warning("recovery could not look at %s for %s: %s", row.expected_file_name, row.id, exc)
             return None
-
-    async def _wake(self, job_id: uuid.UUID) -> None:
-        """Tell the export's workflow to read its row again; the row, not this message, says what happened."""
-        try:
-            client = self._client or activity.client()
-            await client.get_workflow_handle(export_workflow_id(job_id)).signal("wake", Wake(message_id=uuid.uuid4()))
-        except Exception as exc:  # no running workflow: it will read the row when it next runs
-            log.info("could not wake the workflow of %s: %s", job_id, exc)
 
     @activity.defn
     async def sweep(self, request: SweepInput) -> int:

@@ -335,10 +335,12 @@ class JobStore(RoleStore):
         *,
         holder: str | None = None,
         confirmed_by: str | None = None,
+        wake: bool = False,
     ) -> bool:
         """The terminal write after cutoff 2; a Completed says what confirmed it (sha256, acknowledgment, size).
         Raises when neither the write nor the re-read got an answer: the delivery waits for the database (it holds
-        an outcome that only it knows), where other steps leave the attempt to recovery."""
+        an outcome that only it knows), where other steps leave the attempt to recovery. `wake`: with a wake-up
+        through the outbox, for a delivery whose run is gone."""
         check_confirmation(outcome, confirmed_by)
         return await self._finish(
             "finish_delivery", "Finished", outcome, failure_reason, unanswered_raises=True,
@@ -346,6 +348,7 @@ class JobStore(RoleStore):
             attempt_id=attempt_id,
             holder=holder,
             confirmed_by=confirmed_by,
+            wake=wake,
             outcome=outcome.value,
             failure_reason=failure_reason.value if failure_reason else None,
             summary=summary,
@@ -383,12 +386,15 @@ class JobStore(RoleStore):
         return recorded
 
     async def append_evidence(
-        self, job_id: UUID, attempt_id: UUID, observed_by: str, detail: dict[str, Any]
+        self, job_id: UUID, attempt_id: UUID, observed_by: str, detail: dict[str, Any], *, holder: str | None = None
     ) -> None:
+        """Evidence of one attempt. Only the attempt's holder names itself (`holder`), and the database keeps the
+        name only while that holder holds the Delivering row: recovery trusts nothing else."""
         await self._write(
             "append_evidence",
             job_id=job_id,
             attempt_id=attempt_id,
+            holder=holder,
             observed_by=observed_by,
             detail=json.dumps(detail, sort_keys=True, default=str),
         )

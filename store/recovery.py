@@ -166,6 +166,11 @@ class Recovery(RoleStore):
             self.on_ended(settles)
         return changed == 1
 
+    async def wake_behind_run(self, job_id: UUID) -> bool:
+        """An outbox row for an export whose last run closed before its row settled; False when one was already
+        on its way (or there is no such export)."""
+        return await self._takeover("wake_behind_run", None, job_id=job_id)
+
     # --- the sweeper -------------------------------------------------------------------------------------------
 
     async def sweep(self, *, threshold_seconds: float, batch: int) -> int:

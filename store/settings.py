@@ -60,6 +60,9 @@ class Settings(BaseSettings):
     # at most this); it reaches the run through the claim step's recorded result.
     idle_recheck_seconds: float = Field(300.0, ge=1)
     recovery_batch: int = Field(100, ge=1)
+    # Each recovery run also looks for exports whose last run closed before their row settled (a terminated run)
+    # among the runs closed this long ago at most, and wakes each once: a run then reads the row again.
+    recovery_view_window_seconds: float = Field(86400.0, gt=0)
     # How often each partner's temporary directory is swept of our temporary files older than its contract allows.
     partner_sweep_interval_seconds: float = Field(3600.0, ge=1)
     # How often a worker removes built files that no attempt can use any more (contact data on its disk).

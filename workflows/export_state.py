@@ -9,7 +9,7 @@ from typing import TypedDict
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ActivityError, FailureError
 
 with workflow.unsafe.imports_passed_through():
     from activities.contracts import BuildOutput
@@ -53,4 +53,6 @@ def cause(err: ActivityError) -> str:
     innermost: BaseException = err
     while innermost.__cause__ is not None:
         innermost = innermost.__cause__
+    if isinstance(innermost, FailureError) and innermost.message:
+        return innermost.message  # without the type the SDK prefixes: the step's own sentence
     return str(innermost) or type(innermost).__name__

@@ -49,6 +49,11 @@ DELIVERY_SECONDS = Histogram("exports_delivery_seconds", "Duration of each deliv
 DELIVERY_FAILURES = Counter("exports_delivery_failures",
                             "Deliveries that did not complete, by destination and failure class",
                             ["destination", "failure"])
+EVIDENCE_SKIPPED = Counter("exports_recovery_evidence_skipped",
+                           "Evidence records recovery did not judge by: malformed, or not by the attempt's holder",
+                           ["why"])
+VIEWS_BEHIND = Counter("exports_recovery_views_woken",
+                       "Exports whose last run had closed with a state the row no longer has, woken by recovery")
 SWEEPS = Counter("exports_sweeps", "Sweep runs, by kind", ["kind"])
 SWEPT = Counter("exports_swept", "What the sweeps changed: queued rows woken, temporary files removed", ["kind"])
 

@@ -6,6 +6,11 @@ WITH stopped AS (
     WHERE id = :job_id AND status = 'Running' AND attempt_id = :expired_attempt_id
       AND stop_request_id IS NOT NULL
       AND lease_expires_at < clock_timestamp()
-    RETURNING id, attempt_id)
-INSERT INTO export_attempt_events (job_id, attempt_id, kind, observed_by, recorded_at)
-SELECT id, attempt_id, 'StoppedByRecovery', :recovery_run_id, clock_timestamp() FROM stopped;
+    RETURNING id, attempt_id),
+event AS (
+    INSERT INTO export_attempt_events (job_id, attempt_id, kind, observed_by, recorded_at)
+    SELECT id, attempt_id, 'StoppedByRecovery', :recovery_run_id, clock_timestamp() FROM stopped)
+-- A new outbox row wakes the export's workflow (a new run if it has closed, say terminated): its result and
+-- search attributes follow the row.
+INSERT INTO outbox (message_id, kind, job_id, created_at)
+SELECT gen_random_uuid(), 'ExportChanged', id, clock_timestamp() FROM stopped;

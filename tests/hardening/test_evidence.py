@@ -13,6 +13,7 @@ import json
 import uuid
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from activities.destination import DestinationConfig, Replacement
@@ -20,7 +21,7 @@ from activities.outcomes import DeliveryResult
 from activities.partner_delivery import deliver
 from store.models import AuthorizationResult, BuiltFile, ClaimResult, JobRow, Status
 from tests.helpers.harness import Harness, run_recovery, set_contract
-from tests.helpers.partner import write_as_other_party
+from tests.helpers.partner import outbound_names, write_as_other_party
 
 SIZE = 4096
 
@@ -46,7 +47,8 @@ async def worker_delivers(h: Harness, row: JobRow, attempt_id: uuid.UUID, local:
     dest_row = await h.store.read_destination(row.tenant_id, row.destination_id)
 
     async def record(detail: dict) -> None:
-        await h.store.append_evidence(row.id, attempt_id, f"worker-gone/{attempt_id}", detail)
+        await h.store.append_evidence(row.id, attempt_id, f"worker-gone/{attempt_id}", detail,
+                                      holder="worker-gone")
 
     return await deliver(DestinationConfig.from_row(dest_row), str(local), row.final_name,
                          f".{row.final_name}.{attempt_id}.part", record_evidence=record,
@@ -133,7 +135,8 @@ async def died_after_rename(h: Harness, row: JobRow, attempt_id: uuid.UUID, cont
     died before it could take its receipt."""
     for record in ({"step": "baseline", "final": {"path": f"/outbound/{row.final_name}", "exists": False}},
                    {"step": "rename", "final": f"/outbound/{row.final_name}", "bytes": len(content)}):
-        await h.store.append_evidence(row.id, attempt_id, f"worker-gone/{attempt_id}", record)
+        await h.store.append_evidence(row.id, attempt_id, f"worker-gone/{attempt_id}", record,
+                                      holder="worker-gone")
     await write_as_other_party(h.partner.destination(), f"/outbound/{row.final_name}", content)
 
 
@@ -186,3 +189,93 @@ async def test_recovery__a_replacement_is_completed_by_name_and_size_only_where_
     await died_after_rename(h, row, attempt_id, content)
     resolved, detail = await recover(h, row.id)
     assert resolved.status is expected, detail
+
+
+# --- FG1: only the attempt's holder's evidence is judged by, as the database stamped it ---------------------------
+
+FORGED_RECEIPT = ("INSERT INTO export_attempt_events (job_id, attempt_id, kind, worker_id, observed_by, detail, "
+                  "recorded_at) VALUES ($1, $2, 'DeliveryEvidence', $3, $4, $5, clock_timestamp())")
+
+
+def receipt_claiming(row: JobRow, content: bytes, *, exists: bool = True) -> str:
+    """A receipt in the delivery's own shape, saying the partner holds `content` under the final name."""
+    return json.dumps({"step": "receipt", "final": {"path": f"/outbound/{row.final_name}", "exists": exists,
+                                                      "size": len(content) if exists else None},
+                       "expected_bytes": len(content), "sha256": hashlib.sha256(content).hexdigest(),
+                       "sha256_error": None, "acknowledged_sha256": None,
+                       "expected_sha256": hashlib.sha256(content).hexdigest(), "overwrite": False})
+
+
+@pytest.mark.spec("FG1")
+async def test_forged_receipts__no_other_role_or_attempt_adds_one_recovery_takes(quiet_harness):
+    """Nothing was uploaded. The reconciler appends a receipt naming the holder (refused), then one without
+    (kept, not judged by); the application appends one for an earlier attempt's holder and one naming a holder
+    that is not the row's (both kept without a holder). Recovery looks for itself: OutcomeUnknown."""
+    h = quiet_harness
+    content = b"f" * SIZE
+    row, attempt_id = await delivering(h, content)
+    forged = receipt_claiming(row, content)
+    reconciler = await h.db.connect("reconciler")
+    app = await h.db.connect("app")
+    try:
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await reconciler.execute(FORGED_RECEIPT, row.id, attempt_id, "worker-gone", "reconciler", forged)
+        await reconciler.execute(FORGED_RECEIPT, row.id, attempt_id, None, "reconciler", forged)
+        await app.execute(FORGED_RECEIPT, row.id, attempt_id, "another-worker", "app", forged)
+        await app.execute(FORGED_RECEIPT, row.id, uuid.uuid4(), "worker-gone", "app", forged)
+    finally:
+        await reconciler.close()
+        await app.close()
+    stamped = await h.db.admin.fetch("SELECT observed_by, worker_id FROM export_attempt_events WHERE job_id = $1 "
+                                     "AND kind = 'DeliveryEvidence' ORDER BY id", row.id)
+    assert [(r["observed_by"], r["worker_id"]) for r in stamped] == [("reconciler", None), ("app", None),
+                                                                     ("app", None)]
+    assert outbound_names(h.partner) == []
+
+    resolved, detail = await recover(h, row.id)
+    assert resolved.status is Status.OUTCOME_UNKNOWN, detail
+    assert "receipt" not in detail and "absent" in detail, detail
+
+
+@pytest.mark.spec("FG1")
+async def test_forged_receipt_after_the_holders_real_one_changes_nothing(quiet_harness, tmp_path):
+    """The holder's own receipt says Completed; a later receipt by the reconciler saying the file is absent is kept
+    for people and does not override it."""
+    h = quiet_harness
+    content = b"g" * SIZE
+    row, attempt_id = await delivering(h, content)
+    (tmp_path / "built.csv").write_bytes(content)
+    assert (await worker_delivers(h, row, attempt_id, tmp_path / "built.csv")).outcome == "Completed"
+    reconciler = await h.db.connect("reconciler")
+    try:
+        await reconciler.execute(FORGED_RECEIPT, row.id, attempt_id, None, "reconciler",
+                                 receipt_claiming(row, content, exists=False))
+    finally:
+        await reconciler.close()
+
+    resolved, detail = await recover(h, row.id)
+    assert resolved.status is Status.COMPLETED, detail
+    assert "receipt appended by the attempt's holder worker-gone" in detail, detail
+
+
+@pytest.mark.spec("FG1")
+async def test_a_malformed_receipt_is_skipped_and_reported__the_run_settles_every_export(quiet_harness, caplog):
+    """The holder's receipt names `final` as a string. Recovery reports it in one line, judges from its own look,
+    and the other expired export of the same run is resolved too."""
+    h = quiet_harness
+    content = b"h" * SIZE
+    broken, broken_attempt = await delivering(h, content)
+    other, _ = await delivering(h, content)
+    await h.store.append_evidence(broken.id, broken_attempt, f"worker-gone/{broken_attempt}",
+                                  {"step": "receipt", "final": "not an object", "sha256": "0" * 64},
+                                  holder="worker-gone")
+    await h.db.admin.execute("UPDATE export_jobs SET lease_expires_at = clock_timestamp() - interval '1 second' "
+                             "WHERE id = ANY($1::uuid[])", [broken.id, other.id])
+
+    report = await run_recovery(h.client, h.settings)
+    recorded = {t.job_id: t.recorded for t in report.taken_over}
+    assert recorded[broken.id] == recorded[other.id] == "ResolvedByRecovery", report
+    assert (await h.store.read_job(broken.id)).status is Status.OUTCOME_UNKNOWN
+    assert (await h.store.read_job(other.id)).status is Status.OUTCOME_UNKNOWN
+    reported = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+    assert len(reported) == 1 and str(broken.id) in reported[0], reported

@@ -75,6 +75,7 @@ class ReleaseWorld:
     destination_id: uuid.UUID
     work_dir: Path
     settings_overrides: dict[str, object]
+    release_attributes: dict[str, str] = field(default_factory=dict)  # the release's search attributes, by name
     workers: list[ReleaseWorker] = field(default_factory=list)
 
     @property
@@ -137,7 +138,8 @@ async def release_world(code: ReleaseCode, pg_server, tmp_path: Path, **settings
 
         kinds = await code.python(_ATTRIBUTES_OF_RELEASE, settings=bootstrap)
         assert kinds.code == 0, kinds
-        temporal = await stack.enter_async_context(namespace_with(json.loads(kinds.stdout)))
+        release_attributes = json.loads(kinds.stdout)
+        temporal = await stack.enter_async_context(namespace_with(release_attributes))
 
         partner = LocalPartner(tmp_path / "partner")
         await asyncio.wait_for(partner.start(), 30)
@@ -150,7 +152,8 @@ async def release_world(code: ReleaseCode, pg_server, tmp_path: Path, **settings
             temp_dir=dest.temp_dir, host_key=dest.host_key, credential_ref=dest.credential_ref))
         world = ReleaseWorld(code=code, admin=admin, database=database, urls=urls, temporal=temporal,
                              partner=partner, tenant_id=tenant_id, destination_id=destination_id,
-                             work_dir=tmp_path / "work", settings_overrides=settings_overrides)
+                             work_dir=tmp_path / "work", settings_overrides=settings_overrides,
+                             release_attributes=release_attributes)
 
         async def stop_workers() -> None:
             for worker in world.workers:
@@ -221,14 +224,16 @@ async def described(world: ReleaseWorld, job_id: uuid.UUID) -> WorkflowExecution
         return None
 
 
-async def activity_in_flight(world: ReleaseWorld, job_id: uuid.UUID, activity_type: str, *, beyond_attempt: int = 0,
-                             timeout: float = 30) -> int:
-    """Wait until the run has this activity pending (scheduled or started, not yet completed) in an attempt past
-    `beyond_attempt`; that attempt's number."""
+async def activity_in_flight(world: ReleaseWorld, job_id: uuid.UUID, activity_type: str | tuple[str, ...], *,
+                             beyond_attempt: int = 0, timeout: float = 30) -> int:
+    """Wait until the run has this activity (or one of these) pending (scheduled or started, not yet completed) in
+    an attempt past `beyond_attempt`; that attempt's number."""
+    types = (activity_type,) if isinstance(activity_type, str) else activity_type
+
     async def attempts() -> list[int]:
         description = await described(world, job_id)
         return [] if description is None else [a.attempt for a in description.raw_description.pending_activities
-                                                if a.activity_type.name == activity_type]
+                                                if a.activity_type.name in types]
 
     found = await eventually(attempts, lambda found: any(a > beyond_attempt for a in found), timeout=timeout,
                              interval=0.1, what=f"{activity_type} of {job_id} in flight past attempt {beyond_attempt}")

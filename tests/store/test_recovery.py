@@ -333,7 +333,7 @@ async def test_expired_attempt_with_a_stop_request_ends_stopped(db, store, recov
         job.id)
     assert tuple(event) == (attempt_id, RUN)
     assert kinds(await events(db, job.id)) == ["Claimed", "StoppedByRecovery"]
-    assert len(await outbox(db, job.id)) == 1
+    assert len(await outbox(db, job.id)) == 2  # creation, and the stop's wake-up (a closed run is started again)
     assert await recovery.take_over_running(candidate, RUN) is None  # once only
     assert ended == [Status.STOPPED]
 
@@ -364,7 +364,7 @@ async def test_expired_attempt_at_the_cap_ends_failed_attempts_exhausted(db, sto
         "SELECT attempt_id, observed_by FROM export_attempt_events WHERE job_id = $1 AND kind = 'AttemptsExhausted'",
         job_id)
     assert tuple(event) == (attempts[-1], RUN)
-    assert len(await outbox(db, job_id)) == 3  # creation and two requeues; none for the failure
+    assert len(await outbox(db, job_id)) == 4  # creation, two requeues, and the failure's wake-up
     assert await recovery.nominate(limit=10) == []
     assert ended == [Status.FAILED]  # a requeue ends nothing
 

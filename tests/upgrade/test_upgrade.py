@@ -34,11 +34,13 @@ from tests.helpers.release_world import (
 )
 from tests.helpers.releases import ReleaseCode
 from tests.helpers.support import eventually, lock_row, unlock_row
-from workflows.identity import EXPORT_STATUS, export_workflow_id
+from workflows.identity import EXPORT_STATUS, export_workflow_id, search_attribute_kinds
 
 # Slow enough that each export is caught in its step when the old worker stops (about 27 kB of contacts).
 SLOW = dict(build_throttle_bytes_per_second=3000, upload_throttle_bytes_per_second=3000)
 BOUND = 120.0
+# The step whose claim meets the locked row: one step from 0.2.0 on, 0.1.0's own `claim` before.
+CLAIM_STEPS = ("claim_if_allowed", "claim")
 
 
 async def building(world: ReleaseWorld, job_id: uuid.UUID) -> None:
@@ -66,7 +68,7 @@ async def test_upgrade__exports_in_flight_on_the_previous_release_are_finished_b
         cancel_lock = None
         old = await world.released_worker(**SLOW)
         try:
-            await activity_in_flight(world, queued, "claim")
+            await activity_in_flight(world, queued, CLAIM_STEPS)
             delivering = await create(world)
             await reaches(world, delivering, "Delivering")
             built, cancelled = await create(world), await create(world)
@@ -76,11 +78,14 @@ async def test_upgrade__exports_in_flight_on_the_previous_release_are_finished_b
 
             # The deploy: SIGTERM; the old worker lets the upload in flight end, then exits.
             assert await old.terminate(bound=BOUND) in (0, -15), old.log()[-3000:]
-            claims_before = await activity_in_flight(world, queued, "claim")
-            # The migration waits its bound for the long transaction's lock, and changes nothing; the Job runs it
-            # again once that transaction has ended.
+            claims_before = await activity_in_flight(world, queued, CLAIM_STEPS)
+            # A migration that needs the long transaction's lock waits its bound and changes nothing; the Job runs
+            # it again once that transaction has ended (tests/upgrade/test_migrate.py holds a lock every migration
+            # needs). One that needs no lock it holds goes through.
             blocked = await world.todays_command("migrate", migration_lock_timeout_seconds=1, bound=BOUND)
-            assert blocked.code == 3 and "nothing changed" in blocked.stderr, blocked
+            assert blocked.code in (0, 3), blocked
+            if blocked.code == 3:
+                assert "nothing changed" in blocked.stderr, blocked
             await unlock_row(queued_lock)
             migrated = await world.todays_command("migrate", bound=BOUND)
             assert migrated.code == 0, migrated
@@ -89,11 +94,14 @@ async def test_upgrade__exports_in_flight_on_the_previous_release_are_finished_b
             queued_lock, cancel_lock = await lock_row(owner, queued), await lock_row(owner, cancelled)
             request_id = await signal_cancel(world, cancelled, reason="wrong list")
 
-            # The namespace lacks ExportConfirmedBy: this release's worker says so and takes nothing.
-            refused = await world.todays_worker()
-            assert await asyncio.wait_for(refused.process.wait(), 60) == 2, refused.log()[-3000:]
-            assert "ExportConfirmedBy" in refused.log() and "temporal operator search-attribute create" in \
-                refused.log(), refused.log()[-3000:]
+            # Where this release sets a search attribute the previous one lacks, its worker says so and takes nothing
+            # until `exports setup` adds it (UP4).
+            needed = sorted(set(search_attribute_kinds()) - set(world.release_attributes))
+            if needed:
+                refused = await world.todays_worker()
+                assert await asyncio.wait_for(refused.process.wait(), 60) == 2, refused.log()[-3000:]
+                assert all(name in refused.log() for name in needed), refused.log()[-3000:]
+                assert "temporal operator search-attribute create" in refused.log(), refused.log()[-3000:]
             setup = await world.todays_command("setup")
             assert setup.code == 0, setup
             assert (await world.todays_command("schedules", "install")).code == 0
@@ -103,7 +111,7 @@ async def test_upgrade__exports_in_flight_on_the_previous_release_are_finished_b
 
             async def claim_retried_then_unlocked() -> None:
                 # The claim, retried by this release's worker, still meets the lock; then the lock goes.
-                await activity_in_flight(world, queued, "claim", beyond_attempt=claims_before, timeout=60)
+                await activity_in_flight(world, queued, CLAIM_STEPS, beyond_attempt=claims_before, timeout=60)
                 await unlock_row(queued_lock)
 
             async def cancel_busy_then_unlocked() -> None:
