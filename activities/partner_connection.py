@@ -67,23 +67,37 @@ async def server_host_key(dest: DestinationConfig, algorithms: Sequence[str] | s
         dest.host, dest.port, server_host_key_algs=algorithms, config=[]), timeout)
 
 
-async def _lacks_pinned_key_type(dest: DestinationConfig, pinned: asyncssh.SSHKey, timeout: float) -> bool:
-    """Whether the server cuts a handshake that allows only the pinned key's type while it completes one that
-    allows any type with a key of another type."""
-    async def offered(algorithms: list[str] | str) -> asyncssh.SSHKey | None:
-        try:
-            return await server_host_key(dest, algorithms, timeout)
-        except asyncssh.KeyExchangeFailed as exc:
-            return None if "host key" in str(exc).lower() else pinned  # only a refusal of the type counts
-        except (asyncssh.ConnectionLost, ConnectionResetError):
-            return None
-        except (asyncssh.Error, OSError):
-            return pinned  # the server could not be asked: the first failure stands
+# Fresh handshakes allowing only the pinned key's type that must all be cut or refused before a server whose key of
+# another type answered is taken to lack the pinned type.
+_PINNED_TYPE_TRIES = 2
 
-    if await offered([alg.decode() for alg in pinned.sig_algorithms]) is not None:
+
+async def _lacks_pinned_key_type(dest: DestinationConfig, pinned: asyncssh.SSHKey, timeout: float) -> bool:
+    """Whether the server answers a handshake that allows any type with a key of another type, and cuts or refuses
+    each of _PINNED_TYPE_TRIES fresh ones that allow only the pinned key's type.
+
+    A cut by itself proves nothing: a server dropping excess connections (OpenSSH's MaxStartups) or a flaky link
+    cuts too. So only what tells a refusal from a cut is asked, any type first: a probe that gets no answer, or a
+    key of the pinned type (the server holds that type), leaves the first failure standing, a transient one."""
+    try:
+        offered = await server_host_key(dest, "default", timeout)
+    except (asyncssh.Error, OSError):
         return False
-    other = await offered("default")
-    return other is not None and other is not pinned and other.get_algorithm() != pinned.get_algorithm()
+    if offered is None or offered.get_algorithm() == pinned.get_algorithm():
+        return False
+    algorithms = [alg.decode() for alg in pinned.sig_algorithms]
+    for _ in range(_PINNED_TYPE_TRIES):
+        try:
+            await server_host_key(dest, algorithms, timeout)
+            return False  # a key of the pinned type: the server holds that type
+        except asyncssh.KeyExchangeFailed as exc:
+            if "host key" not in str(exc).lower():  # only a refusal of the type counts
+                return False
+        except (asyncssh.ConnectionLost, ConnectionResetError):
+            pass  # sshd refuses by a cut, so does a flaky link: only a cut on every try counts
+        except (asyncssh.Error, OSError):
+            return False
+    return True
 
 
 # asyncssh's own ciphers, AES-GCM first: the client's order decides, and on a CPU with AES instructions AES-GCM
@@ -135,7 +149,8 @@ async def connect(
         raise
     except (asyncssh.ConnectionLost, ConnectionResetError) as exc:
         # OpenSSH refuses such a handshake by cutting the connection without a reason, and asyncssh's server may
-        # close before its reason is read; only asking again tells that apart from a connection that failed.
+        # close before its reason is read; only asking again tells that apart from a connection that failed, and
+        # anything short of a clear refusal leaves this failure standing: transient, never a mismatch.
         if await _lacks_pinned_key_type(dest, pinned, connect_timeout):
             raise _no_key_of_pinned_type(dest, pinned) from exc
         raise
