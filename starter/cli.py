@@ -388,10 +388,10 @@ def show(
                            cell(e["recorded_at"]))
         console.print(events)
     if view.cancellation_requests:
-        requests = Table("request", "by", "outcome", "found", "at", title="cancellation requests")
+        requests = Table("request", "by", "why", "outcome", "found", "at", title="cancellation requests")
         for r in view.cancellation_requests:
-            requests.add_row(cell(r["id"]), cell(r["requested_by"]), cell(r["outcome"]), cell(r["found_status"]),
-                             cell(r["recorded_at"]))
+            requests.add_row(cell(r["id"]), cell(r["requested_by"]), cell(r.get("reason") or ""), cell(r["outcome"]),
+                             cell(r["found_status"]), cell(r["recorded_at"]))
         console.print(requests)
 
 

@@ -148,3 +148,20 @@ async def test_an_unusable_host_key_found_while_preparing_ends_the_attempt_befor
                                        "AND kind = 'Failed'", job_id)
     assert "host key" in detail and "ssh-ed25519" in detail, detail
     assert list(Path(h.settings.work_dir).glob("*.csv*")) == []
+
+
+@pytest.mark.spec("DV4")
+async def test_a_missing_final_directory_found_while_preparing_ends_the_attempt_before_the_build(harness):
+    """The destination names a final directory the partner does not have: the preparation's look finds it, and the
+    attempt ends Failed/NotDelivered before cutoff 2, with nothing built or sent."""
+    h = harness
+    await h.db.admin.execute("UPDATE destinations SET final_dir = '/no-such-dir' WHERE id = $1", h.destination_id)
+    job_id = await h.create()
+    row = await h.settled(job_id)
+    assert (row.status, row.failure_reason) == (Status.FAILED, "NotDelivered")
+    assert kinds(await events(h.db, job_id)) == ["Claimed", "BuildStarted", "Failed"]
+    detail = await h.db.admin.fetchval("SELECT detail FROM export_attempt_events WHERE job_id = $1 "
+                                       "AND kind = 'Failed'", job_id)
+    assert "preparation" in detail and "/no-such-dir" in detail and "does not exist" in detail, detail
+    assert list(Path(h.settings.work_dir).glob("*.csv*")) == []
+    assert list((h.partner.root / "incoming-tmp").iterdir()) == []

@@ -239,6 +239,29 @@ def wake_ids(events) -> list[str]:
 
 
 @pytest.mark.spec("TW8")
+async def test_dispatcher__the_workers_own_dispatcher_runs_under_the_dispatcher_role(db, store, client, tmp_path):
+    """The production wiring, not a dispatcher built by the test: the worker's dispatcher marks the rows it
+    publishes as the dispatcher role (a trigger of the test's records who marked), and listens as that role."""
+    await db.admin.execute("""
+        CREATE TABLE test_outbox_markers (marked_by text, job_id uuid);
+        CREATE FUNCTION test_record_marker() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
+        BEGIN INSERT INTO test_outbox_markers VALUES (session_user, NEW.job_id); RETURN NEW; END $$;
+        CREATE TRIGGER test_outbox_marker AFTER UPDATE OF published_at ON outbox
+            FOR EACH ROW EXECUTE FUNCTION test_record_marker();
+    """)
+    async with AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path)
+        job_id = await h.store_create()
+        row = await h.settled(job_id)
+        assert row.status is Status.COMPLETED
+        listeners = await db.admin.fetch(
+            "SELECT usename FROM pg_stat_activity WHERE datname = $1 AND query ILIKE 'LISTEN%'", db.name)
+        assert {r["usename"] for r in listeners} == {ROLES["dispatcher"]}, listeners
+    markers = await db.admin.fetch("SELECT marked_by FROM test_outbox_markers WHERE job_id = $1", job_id)
+    assert [m["marked_by"] for m in markers] == [ROLES["dispatcher"]]
+
+
+@pytest.mark.spec("TW8")
 async def test_dispatcher__one_row_published_twice_wakes_the_workflow_once(quiet_harness: Harness, db):
     harness = quiet_harness  # its worker runs no dispatcher; the test's own dispatcher publishes
     job_id = await harness.store_create()

@@ -5,6 +5,7 @@ store refuses for good, and the search attributes an operator filters on."""
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 
 import pytest
@@ -20,7 +21,8 @@ from store.db import asyncpg_dsn
 from store.models import Status
 from tests.helpers.events import stop_latency
 from tests.helpers.harness import Harness, building
-from tests.helpers.support import eventually, lock_row, unlock_row
+from tests.helpers.releases import ROOT
+from tests.helpers.support import eventually, exports_command, lock_row, unlock_row
 from workflows.identity import EXPORT_STATUS, export_workflow_id
 
 BOUND = 30.0
@@ -52,6 +54,36 @@ async def test_a_cancel_that_cannot_be_stored_is_rejected_and_the_next_one_stops
     assert len(rejected) == 1 and "operator" in rejected[0] and "nothing recorded" in rejected[0], rejected
     assert list((h.partner.root / "outbound").iterdir()) == []
     assert (await h.settled(job_id)).status is Status.STOPPED
+
+
+@pytest.mark.spec("HI1")
+async def test_a_cancel_that_validates_but_the_database_refuses_blocks_nothing(slow_build_harness: Harness):
+    """Every payload the validators pass is meant to be storable; where the database refuses one all the same (here
+    a constraint the validators do not know), the request is reported, recorded nowhere, asked once, and the next
+    request still stops the build."""
+    h = slow_build_harness
+    await h.db.admin.execute("ALTER TABLE cancellation_requests ADD CONSTRAINT test_refused_reason "
+                             "CHECK (reason IS DISTINCT FROM 'refused by the database')")
+    job_id = await h.create()
+    await building(h, job_id)
+    handle = h.client.get_workflow_handle(export_workflow_id(job_id), result_type=ExportResult)
+    refused = uuid.uuid4()
+    await handle.signal("cancel", {"request_id": str(refused), "tenant": str(h.tenant_id),
+                                   "operator": "ann@example.com", "reason": "refused by the database"})
+    rejected = await eventually(lambda: handle.query("rejected_signals"), bool, timeout=BOUND, interval=0.1,
+                                what="the refused request reported")
+    assert len(rejected) == 1 and str(refused) in rejected[0] and "not recorded" in rejected[0], rejected
+    assert "test_refused_reason" in rejected[0], rejected
+    assert (await h.store.read_job(job_id)).status is Status.RUNNING  # the refused request stopped nothing
+    valid = uuid.uuid4()
+    await handle.signal("cancel", {"request_id": str(valid), "tenant": str(h.tenant_id),
+                                   "operator": "ann@example.com", "reason": "wrong list"})
+    row = await h.settled(job_id)
+    assert row.status is Status.STOPPED and row.stop_request_id == valid
+    recorded = await h.db.admin.fetch("SELECT id FROM cancellation_requests WHERE job_id = $1", job_id)
+    assert [r["id"] for r in recorded] == [valid]
+    # Asked once: a refusal for good is not retried.
+    assert [a for a, _, _ in failed_attempts(await handle.fetch_history(), "record_cancellation")] == [1]
 
 
 # --- HI2: no step retries without bound on a deterministic error ---------------------------------------------------
@@ -212,6 +244,12 @@ async def current_details(h: Harness, job_id: uuid.UUID) -> str:
     return metadata.current_details
 
 
+async def shown_by_cli(h: Harness, job_id: uuid.UUID) -> str:
+    ran = await exports_command(h.settings, "show", str(job_id), "--tenant", str(h.tenant_id), cwd=ROOT, bound=BOUND)
+    assert ran.code == 0, ran
+    return ran.stdout
+
+
 @pytest.mark.spec("HI5")
 async def test_the_ui_details_say_who_stopped_an_export_and_why(slow_build_harness: Harness):
     h = slow_build_harness
@@ -225,6 +263,12 @@ async def test_the_ui_details_say_who_stopped_an_export_and_why(slow_build_harne
     assert details.startswith("**Stopped**")
     assert f'cancel by ann@example.com: "wrong list" → {stop.outcome.value}' in details, details
     assert await h.client.get_workflow_handle(export_workflow_id(job_id)).query("rejected_signals") == []
+    # `exports show` says it too, from the row: who asked, why, what it found and what it recorded.
+    shown = await shown_by_cli(h, job_id)
+    request = next(line for line in shown.splitlines() if str(stop.request_id) in line and "│" in line)
+    for said in ("ann@example.com", "wrong list", stop.outcome.value, "Running"):
+        assert said in request, shown
+    assert re.search(r"^\s*status\s+Stopped\s*$", shown, re.M), shown
 
 
 @pytest.mark.spec("HI5")
@@ -243,6 +287,14 @@ async def test_the_ui_details_say_which_file_went_out_and_a_late_cancel_was_too_
             f"sha256 {row.expected_file_sha256.hex()}") in details, details
     assert "confirmed by" in details  # how the delivery was confirmed
     assert 'cancel by bob@example.com: "late" → TooLate' in details
+    # `exports show` names the file that went out, how it was confirmed, and the late request.
+    shown = await shown_by_cli(h, job_id)
+    for name, value in (("status", "Completed"), ("final_name", row.final_name),
+                        ("expected_file_bytes", str(row.expected_file_bytes)),
+                        ("expected_file_sha256", row.expected_file_sha256.hex()), ("confirmed_by", row.confirmed_by)):
+        assert re.search(rf"^\s*{name}\s+{re.escape(value)}\s*$", shown, re.M), (name, shown)
+    late = next(line for line in shown.splitlines() if "bob@example.com" in line)
+    assert "late" in late and "TooLate" in late and "Delivering" in late, shown
 
 
 @pytest.mark.spec("HI5")
