@@ -133,7 +133,7 @@ async def running_worker(
                                                 max_overflow=settings.dispatcher_max_overflow)
                 dispatcher = OutboxDispatcher(
                     client,
-                    Outbox(dispatcher_engine),
+                    Outbox(dispatcher_engine, lock_idle_seconds=settings.dispatcher_lock_idle_seconds),
                     asyncpg_dsn(settings.dispatcher_database_url),
                     task_queue=settings.task_queue,
                     poll_seconds=settings.dispatcher_poll_seconds,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from datetime import UTC, datetime, timedelta
 from uuid import UUID
 
 from temporalio import activity
@@ -32,25 +33,38 @@ class DeliveryActivities(ExportActivitiesBase):
         """Cutoff 2, and what its refusal means. The file is removed unless delivery was authorized; the lease is
         handed on to the delivery only then. It heartbeats, so that a worker that dies here is noticed within a
         lease (its heartbeat timeout), not after the step's whole timeout."""
-        async with self._heartbeating(lambda: None):
-            return await self._authorize_delivery(request)
+        beats = _Beats()
+        async with self._heartbeating(beats.mark):
+            return await self._authorize_delivery(request, beats)
 
-    async def _authorize_delivery(self, request: AuthorizeInput) -> AuthorizeOutput:
+    async def _authorize_delivery(self, request: AuthorizeInput, beats: _Beats) -> AuthorizeOutput:
         job, attempt_id, file = request.job, request.attempt_id, request.file
         lease = self._keeper(job.id, attempt_id, file.holder)
         result = AuthorizationResult.UNKNOWN
         try:
             await self.checkpoints.reached(checkpoints.BEFORE_CUTOFF_2, job.id)
+            not_after = beats.bound()
             try:
-                result = await self.store.authorize_delivery(job, attempt_id, file)
-                if result is AuthorizationResult.LEASE_LAPSED and await lease.renew_now():
+                if _past(not_after):
+                    result = AuthorizationResult.LEASE_LAPSED  # not even asked: see below
+                else:
+                    result = await self.store.authorize_delivery(job, attempt_id, file, not_after=not_after)
+                if result is AuthorizationResult.LEASE_LAPSED and not _past(not_after) and await lease.renew_now():
                     # Still the owner, only late: the renewal succeeds only if no takeover committed. Retry once.
-                    result = await self.store.authorize_delivery(job, attempt_id, file)
+                    result = await self.store.authorize_delivery(job, attempt_id, file, not_after=not_after)
             except Exception:
                 # Whatever the row now says, this attempt will not deliver this file: recovery reads the row.
                 remove_local_file(file.path)
                 raise
-            if result is AuthorizationResult.STOP_RECORDED:
+            if result is not AuthorizationResult.AUTHORIZED and _past(not_after):
+                # The step reached the database after its bound (its worker was paused with the task in hand): the
+                # run has given it up and moved on, so it authorized nothing, and it hands the attempt back at once
+                # (the lease ends now) for recovery to requeue, rather than letting it lapse a lease later.
+                log.warning("cutoff 2 of export %s attempt %s ran past its bound (%s): authorized nothing; the "
+                            "attempt is handed back", job.id, attempt_id, not_after)
+                if file.holder is not None:
+                    await self.store.release_lease(job.id, attempt_id, file.holder)
+            elif result is AuthorizationResult.STOP_RECORDED:
                 async with lease.terminal_write():
                     await self.store.finish_stopped(job.id, attempt_id, "BeforeDelivery", holder=file.holder)
             elif result is AuthorizationResult.ORIGINAL_COMPLETED:
@@ -166,3 +180,47 @@ class DeliveryActivities(ExportActivitiesBase):
             log.info("could not read %s back after its terminal write: %s", job_id, exc)
             return None
 
+
+class _Beats:
+    """Whether the run still waits for this step: Temporal gives a step up once its heartbeat timeout passes without
+    a heartbeat (counted from its start until the first). A heartbeat after such a silence revives nothing, so the
+    step stays late once any gap between its heartbeats (or its start and the first) reached half the timeout."""
+
+    def __init__(self) -> None:
+        self.last: datetime | None = None
+        self.late = False
+
+    def mark(self) -> None:
+        """Called at each heartbeat, as its (empty) details."""
+        now = datetime.now(UTC)
+        previous = self.last or self._started()
+        timeout = self._timeout()
+        if previous is not None and timeout is not None and now - previous >= timeout / 2:
+            self.late = True
+        self.last = now
+
+    def bound(self) -> datetime | None:
+        """Before it the run certainly still waits for this step: half the heartbeat timeout after the last
+        heartbeat (or the start), on the Temporal server's clock, which PostgreSQL's and this worker's follow
+        within far less than that margin; already past for a late step. None outside an activity."""
+        started, timeout = self._started(), self._timeout()
+        if started is None or timeout is None:
+            return None
+        if self.late:
+            return started
+        return max(self.last or started, started) + timeout / 2
+
+    @staticmethod
+    def _started() -> datetime | None:
+        return activity.info().started_time if activity.in_activity() else None
+
+    @staticmethod
+    def _timeout() -> timedelta | None:
+        if not activity.in_activity():
+            return None
+        info = activity.info()
+        return info.heartbeat_timeout or info.start_to_close_timeout
+
+
+def _past(bound: datetime | None) -> bool:
+    return bound is not None and datetime.now(UTC) >= bound

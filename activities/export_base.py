@@ -28,6 +28,7 @@ from uuid import UUID
 
 from activities import checkpoints
 from activities.lease import LeaseKeeper, heartbeating
+from store import errors
 from store.jobs import JobStore
 from store.settings import Settings
 
@@ -104,9 +105,24 @@ class ExportActivitiesBase:
         return keeper
 
     async def close(self) -> None:
-        """The worker shuts down: stop every lease keeper still renewing here."""
+        """The worker shuts down: stop every lease keeper still renewing here. An attempt handed over between two
+        steps (built, its next step not begun here, and now never to begin here) is handed back as a build is: its
+        lease ends at once, so that recovery requeues it at its next run rather than a lease later. The statement
+        matches only a Running attempt of this holder: a Delivering one is left to lapse, for recovery to judge."""
         for keeper in list(self.keepers.values()):
+            handed_over = keeper.handed_over
             await keeper.finish()
+            if not handed_over or keeper.holder is None:
+                continue
+            try:
+                released = await self.store.release_lease(keeper.job_id, keeper.attempt_id, keeper.holder)
+            except Exception as exc:
+                log.warning("could not end the lease of %s attempt %s: %s", keeper.job_id, keeper.attempt_id,
+                            errors.describe(exc))
+                continue
+            if released:
+                log.info("worker shutting down: built attempt %s of %s handed back before its next step",
+                         keeper.attempt_id, keeper.job_id)
 
     def _forget(self, key: tuple[UUID, UUID], keeper: LeaseKeeper) -> None:
         if self.keepers.get(key) is keeper:

@@ -6,10 +6,13 @@ separate activities on this worker's own task queue. Between two of them the kee
 renewing, so no gap waits longer than a renewal interval; if the next step does not adopt it within a bound (its
 schedule-to-start timeout), it stops and the lease lapses for recovery.
 
-A renewal that throws stops nothing and is retried soon (after half a second, then backing off to the interval),
-not a whole interval later: an outage shorter than the lease never lets it lapse. A renewal that changes no row
-means the attempt lost ownership: `on_lost` is called once and renewing stops. Renewals are serialized, so an on-demand
-renewal never overlaps a scheduled one.
+A renewal that throws stops nothing and is retried soon: after half a second, then backing off, doubling, to at most
+`_MAX_RETRY_SECONDS` (2 s, or the interval if that is shorter), never to a whole interval. So once PostgreSQL is back
+the keeper renews within one such delay. The last renewal that succeeded before an outage came at most one interval
+before it began, so an outage shorter than lease - renew_every - min(2 s, renew_every) never lets the lease lapse (the
+time a failing renewal takes to fail comes on top: a refused connection fails at once, a silent one only at its
+timeout). A renewal that changes no row means the attempt lost ownership: `on_lost` is called once and renewing stops.
+Renewals are serialized, so an on-demand renewal never overlaps a scheduled one.
 
 Heartbeats are the activity's own (`heartbeating`): Temporal sees the activity alive and, in the reply, tells it of
 its cancellation.
@@ -33,6 +36,12 @@ log = logging.getLogger(__name__)
 
 _CONFIRM_RETRY_SECONDS = 0.5
 _FIRST_RETRY_SECONDS = 0.5
+# The longest a renewal that threw waits before it is tried again (the interval, if that is shorter). Not the interval
+# itself: when the database comes back, the keeper's next try may still be one whole retry delay away, and the lease
+# must not run out meanwhile. With the production lease of 60 s renewed every 20 s, a backoff up to the interval let
+# an outage of 32 s lapse the lease; capped at 2 s, any outage shorter than 60 - 20 - 2 = 38 s is survived, at the
+# cost of one failed connection attempt every 2 s per attempt renewing on the worker while the database is away.
+_MAX_RETRY_SECONDS = 2.0
 
 
 class LeaseKeeper:
@@ -93,6 +102,7 @@ class LeaseKeeper:
         loop = asyncio.get_running_loop()
         delay = self.renew_every
         retry = _FIRST_RETRY_SECONDS
+        longest_retry = min(_MAX_RETRY_SECONDS, self.renew_every)
         try:
             while not self.lost:
                 await asyncio.sleep(delay)
@@ -101,7 +111,7 @@ class LeaseKeeper:
                                 "to lapse for recovery", self.attempt_id, self.job_id)
                     break
                 if await self._renew() is None:
-                    delay, retry = min(retry, self.renew_every), min(retry * 2, self.renew_every)
+                    delay, retry = min(retry, longest_retry), min(retry * 2, longest_retry)
                 else:
                     delay, retry = self.renew_every, _FIRST_RETRY_SECONDS
         finally:

@@ -6,9 +6,18 @@ reject an export to a destination that does not pass it, before its claim; and a
 private key readable here when it is written. An `env:` credential names a variable of the worker's environment,
 so it is looked up by `check`, on the machine that checks, not when it is written.
 
+Before `add` writes a contract that names evidence the partner must offer (hash_evidence check_file, an
+acknowledgment_dir), and before `update` writes a change to that evidence or to how the partner is reached, it asks
+the partner, writing nothing there: whether it answers check-file-name (OpenSSH's sftp-server never does), whether
+the acknowledgment directory is there. A partner that answers no is refused (exit status 2, one line, nothing
+written): every delivery there would end OutcomeUnknown. A partner that cannot be asked from here (not reachable,
+another host key, an env: credential of the worker's environment) is written as before, with one warning line;
+`--no-check` writes without asking. read_back and none need nothing the partner could be asked about.
+
 `list` and `check` only read, as the application role (EXPORTS_DATABASE_URL), so that `check` runs where a worker
-runs: it connects with the pinned host key and the credential, looks at the directories, and prints one line per
-fact it found. Bad input is one line on stderr, exit status 2, and nothing is written.
+runs: it connects with the pinned host key and the credential, looks at the directories and the evidence the
+contract names, and prints one line per fact it found. Bad input is one line on stderr, exit status 2, and nothing
+is written.
 """
 
 from __future__ import annotations
@@ -50,21 +59,52 @@ DEFAULTS: dict[str, Any] = {"enabled": True, "name_and_size_identify": False, "h
 # --- the store side -------------------------------------------------------------------------------------------
 
 
-async def add_destination(engine: AsyncEngine, tenant_id: uuid.UUID, values: Mapping[str, Any]) -> uuid.UUID:
-    """Insert a destination once it passes the check, as the owner. Returns its new ID."""
-    return await Destinations(engine).add(tenant_id, {**DEFAULTS, **values},
-                                          lambda fields: _validated(fields, credential_changed=True))
+# The columns the partner is asked about (how it is reached, the evidence the contract names): an update that
+# changes one of them, or enables the destination, asks again.
+ASKED_FIELDS = ("host", "port", "username", "host_key", "credential_ref", "hash_evidence", "acknowledgment_dir")
+
+
+async def add_destination(engine: AsyncEngine, tenant_id: uuid.UUID, values: Mapping[str, Any], *,
+                          ask_partner: bool = False, warn: Callable[[str], None] = lambda line: None,
+                          timeout: float = 10.0) -> uuid.UUID:
+    """Insert a destination once it passes the check, as the owner. Returns its new ID. With `ask_partner`, the
+    evidence its contract names is asked of the partner first (`ask_evidence`)."""
+    fields = {**DEFAULTS, **values}
+    if ask_partner:
+        _validated(fields, credential_changed=True)
+        await ask_evidence(fields, warn, timeout=timeout)
+    return await Destinations(engine).add(tenant_id, fields,
+                                          lambda row: _validated(row, credential_changed=True))
 
 
 async def update_destination(engine: AsyncEngine, tenant_id: uuid.UUID, destination_id: uuid.UUID,
-                             changes: Mapping[str, Any]) -> dict[str, Any]:
-    """Change some columns of a tenant's destination; the row as it will stand must pass the check."""
+                             changes: Mapping[str, Any], *, ask_partner: bool = False,
+                             warn: Callable[[str], None] = lambda line: None,
+                             timeout: float = 10.0) -> dict[str, Any]:
+    """Change some columns of a tenant's destination; the row as it will stand must pass the check. With
+    `ask_partner`, a change to how the partner is reached or to the evidence the contract names (or enabling it)
+    asks the partner first, outside the write's transaction (no row lock held across a connection); the write
+    then refuses a row whose asked columns changed meanwhile."""
     if not changes:
         raise InputError("nothing to change: give at least one field")
+    credential_changed = "credential_ref" in changes
+    asked: dict[str, Any] | None = None
+    if ask_partner and (any(column in changes for column in ASKED_FIELDS) or changes.get("enabled") is True):
+        rows = await _app_store(engine).read_destinations(tenant_id, destination_id)
+        if rows:  # else the write below says it is not found
+            merged = {**rows[0], **changes}
+            _validated(merged, credential_changed=credential_changed)
+            await ask_evidence(merged, warn, timeout=timeout)
+            asked = {column: merged[column] for column in ASKED_FIELDS}
+
+    def check(merged: Mapping[str, Any]) -> None:
+        _validated(merged, credential_changed=credential_changed)
+        if asked is not None and any(merged[column] != value for column, value in asked.items()):
+            raise InputError(f"destination {destination_id} changed while the partner was asked; nothing "
+                             "written: run the command again")
+
     try:
-        return await Destinations(engine).update(
-            tenant_id, destination_id, changes,
-            lambda merged: _validated(merged, credential_changed="credential_ref" in changes))
+        return await Destinations(engine).update(tenant_id, destination_id, changes, check)
     except DestinationNotFound as exc:
         raise InputError(str(exc)) from None
 
@@ -103,6 +143,80 @@ def load_credential(credential_ref: str) -> asyncssh.SSHKey:
                                  ) from None
     except (ValueError, OSError) as exc:  # an unset variable, or a file that went away meanwhile
         raise CredentialUnusable(str(exc)) from None
+
+
+# --- the evidence a contract names, asked of the partner when the contract is written -------------------------
+
+
+class NotOffered(Exception):
+    """The partner answered that it does not offer the evidence the contract names: one line."""
+
+
+async def ask_evidence(row: Mapping[str, Any], warn: Callable[[str], None], *, timeout: float = 10.0) -> None:
+    """Ask the partner, writing nothing there, for the evidence by content a valid contract names: whether it
+    answers check-file-name (hash_evidence check_file) and has the acknowledgment_dir. read_back and none need
+    nothing asked (a read can only be tried on a file). Raises InputError, in one line, when the partner answers
+    that it does not offer it; a partner that cannot be asked from here gets one line to `warn` instead."""
+    dest = validate_destination(row)
+    wanted = [what for what, named in (("hash_evidence check_file", dest.contract.hash_evidence == "check_file"),
+                                       ("acknowledgment_dir", dest.contract.acknowledgment_dir is not None))
+              if named]
+    if not wanted:
+        return
+    where = f"{dest.host}:{dest.port}"
+
+    def not_asked(why: str) -> None:
+        warn(f"warning: {' and '.join(wanted)} not verified at the partner ({why}); written all the same: run "
+             "`exports destinations check` where a worker runs")
+
+    try:
+        load_credential(dest.credential_ref)
+    except CredentialUnusable as exc:
+        not_asked(f"credential: {exc}")
+        return
+    try:
+        async with asyncio.timeout(timeout * 4):
+            async with connect(dest, connect_timeout=timeout) as sftp:
+                if dest.contract.acknowledgment_dir is not None:
+                    await _acknowledgment_dir_there(sftp, dest.contract.acknowledgment_dir, where)
+                if dest.contract.hash_evidence == "check_file":
+                    fact = await _check_file_fact(sftp, dest, where)
+                    if fact.startswith("warning: "):
+                        warn(fact)
+    except NotOffered as exc:
+        raise InputError(f"{exc}; nothing written (--no-check writes without asking)") from None
+    except HostKeyMismatch:
+        not_asked(f"host key: {where} did not present the pinned key")
+    except asyncssh.PermissionDenied:
+        not_asked(f"login: {where} refused the credential for user {_shown(dest.username)}")
+    except asyncssh.SFTPError as exc:  # connected, but the partner would not say (a directory it may not stat)
+        not_asked(f"{where} answered {_describe(exc)}")
+    except (asyncssh.Error, OSError) as exc:  # TimeoutError included
+        not_asked(f"connect: {where}: {_describe(exc)}")
+
+
+async def _acknowledgment_dir_there(sftp: asyncssh.SFTPClient, path: str, where: str) -> None:
+    if not await sftp.isdir(path):
+        found = "not a directory" if await sftp.exists(path) else "no such directory"
+        raise NotOffered(f"acknowledgment_dir {_shown(path)}: {found} at the partner {where}: no acknowledgment "
+                         "could be read there")
+
+
+async def _check_file_fact(sftp: asyncssh.SFTPClient, dest: DestinationConfig, where: str) -> str:
+    """Whether the partner answers check-file-name, asked about a name that is not there: the fact, in one line
+    (a warning where its answer says neither). Raises NotOffered where it answers that it does not offer it."""
+    probe = posixpath.join(dest.final_dir, f".exports-check-{uuid.uuid4().hex}")  # a name that is not there
+    try:
+        await check_file_sha256(sftp, probe)
+    except asyncssh.SFTPNoSuchFile:
+        pass
+    except asyncssh.SFTPOpUnsupported:
+        raise NotOffered(f"hash_evidence check_file: the partner {where} does not offer it (its answer to the SFTP "
+                         "extension check-file-name is OP_UNSUPPORTED, as OpenSSH's): every delivery there would "
+                         "end OutcomeUnknown; use read_back") from None
+    except (asyncssh.SFTPError, CheckFileError) as exc:
+        return f"warning: hash_evidence check_file: {_describe(exc)}"
+    return "hash_evidence check_file: the partner answers check-file-name"
 
 
 # --- check: what the partner shows, with the pinned key and the credential ---------------------------------------
@@ -160,17 +274,10 @@ async def _look(sftp: asyncssh.SFTPClient, dest: DestinationConfig, say: Callabl
         except CheckFailed as exc:  # deliveries go on without it; only the acknowledgments are missing
             say(f"warning: {exc}; no acknowledgment can be read")
     if dest.contract.hash_evidence == "check_file":
-        probe = posixpath.join(dest.final_dir, f".exports-check-{uuid.uuid4().hex}")  # a name that is not there
         try:
-            await check_file_sha256(sftp, probe)
-            say("hash_evidence check_file: the partner answers check-file-name")
-        except asyncssh.SFTPNoSuchFile:
-            say("hash_evidence check_file: the partner answers check-file-name")
-        except asyncssh.SFTPOpUnsupported:
-            say("warning: hash_evidence check_file: the partner does not offer check-file-name; deliveries are "
-                "confirmed by size only")
-        except (asyncssh.SFTPError, CheckFileError) as exc:
-            say(f"warning: hash_evidence check_file: {_describe(exc)}")
+            say(await _check_file_fact(sftp, dest, f"{dest.host}:{dest.port}"))
+        except NotOffered as exc:  # the hash its deliveries need cannot be had: each would end OutcomeUnknown
+            raise CheckFailed(str(exc)) from None
 
 
 async def _entries(sftp: asyncssh.SFTPClient, label: str, path: str) -> list[str]:
@@ -271,6 +378,15 @@ HOST_KEY_HELP = ("the partner's host key as one OpenSSH public key line ('ssh-ed
                  "known_hosts host pattern or authorized_keys options")
 CREDENTIAL_HELP = ("file:<path> (a private key file, readable here when written) or env:<VAR> (a variable of "
                    "the worker's environment, looked up by check): names the key, never the key itself")
+HASH_EVIDENCE_HELP = ("none, read_back or check_file (only where the partner answers the SFTP check-file-name "
+                      "extension: OpenSSH does not)")
+NO_CHECK = typer.Option(False, "--no-check",
+                        help="write without asking the partner whether it offers the evidence the contract names "
+                             "(check_file, acknowledgment_dir); by default a partner that answers no is refused")
+
+
+def _warn(line: str) -> None:
+    print(_shown(line), file=sys.stderr, flush=True)
 
 
 @destinations_app.command("add")
@@ -284,13 +400,18 @@ def add_command(
     temp_dir: str = typer.Option(..., help="absolute; where files are written first, apart from final_dir"),
     host_key: str = typer.Option(..., help=HOST_KEY_HELP),
     credential_ref: str = typer.Option(..., help=CREDENTIAL_HELP),
-    hash_evidence: str = typer.Option("none", help="none, read_back or check_file"),
+    hash_evidence: str = typer.Option("none", help=HASH_EVIDENCE_HELP),
     acknowledgment_dir: str | None = typer.Option(None, help="absolute; where the partner writes <name>.ack"),
     name_and_size_identify: bool = typer.Option(False, help="only where the partner agreed to it"),
     temp_file_max_age_seconds: str | None = typer.Option(None, help="at least 43200; 604800 when omitted"),
     disabled: bool = typer.Option(False, "--disabled", help="written disabled: its exports are Rejected"),
+    no_check: bool = NO_CHECK,
 ) -> None:
-    """Add a destination (as the owner role, EXPORTS_OWNER_DATABASE_URL) and print its new ID."""
+    """Add a destination (as the owner role, EXPORTS_OWNER_DATABASE_URL) and print its new ID.
+
+    Where the contract names check_file or an acknowledgment_dir, the partner is asked first, writing nothing
+    there, and one that does not offer it is refused (exit status 2). One it cannot reach from here is written
+    with a warning: run check where a worker runs."""
     values = _given(name=name, host=host, port=_whole_number(port, "port"), username=username,
                     final_dir=final_dir, temp_dir=temp_dir, host_key=host_key, credential_ref=credential_ref,
                     hash_evidence=hash_evidence, acknowledgment_dir=acknowledgment_dir,
@@ -298,7 +419,8 @@ def add_command(
                     temp_file_max_age_seconds=_whole_number(temp_file_max_age_seconds,
                                                             "temp_file_max_age_seconds"))
     tenant_id = _parsed(tenant, "tenant ID")
-    print(_run(lambda engine: add_destination(engine, tenant_id, values), owner=True))
+    print(_run(lambda engine: add_destination(engine, tenant_id, values, ask_partner=not no_check, warn=_warn),
+               owner=True))
 
 
 @destinations_app.command("update")
@@ -313,17 +435,19 @@ def update_command(
     temp_dir: str | None = typer.Option(None),
     host_key: str | None = typer.Option(None, help=HOST_KEY_HELP),
     credential_ref: str | None = typer.Option(None, help=CREDENTIAL_HELP),
-    hash_evidence: str | None = typer.Option(None, help="none, read_back or check_file"),
+    hash_evidence: str | None = typer.Option(None, help=HASH_EVIDENCE_HELP),
     acknowledgment_dir: str | None = typer.Option(None),
     no_acknowledgment_dir: bool = typer.Option(False, "--no-acknowledgment-dir", help="clear it"),
     name_and_size_identify: bool | None = typer.Option(None, "--name-and-size-identify/"
                                                                 "--no-name-and-size-identify"),
     temp_file_max_age_seconds: str | None = typer.Option(None, help="at least 43200"),
     enabled: bool | None = typer.Option(None, "--enabled/--disabled"),
+    no_check: bool = NO_CHECK,
 ) -> None:
     """Change fields of a destination, as the owner role (EXPORTS_OWNER_DATABASE_URL).
 
-    The whole row as it will stand is checked, as add checks it."""
+    The whole row as it will stand is checked, as add checks it; a change to how the partner is reached or to the
+    evidence the contract names, or enabling it, asks the partner as add does."""
     if no_acknowledgment_dir and acknowledgment_dir is not None:
         fail("error: give --acknowledgment-dir or --no-acknowledgment-dir, not both")
     changes = _given(name=name, host=host, port=_whole_number(port, "port"), username=username,
@@ -335,7 +459,8 @@ def update_command(
     if no_acknowledgment_dir:
         changes["acknowledgment_dir"] = None
     destination_id, tenant_id = _parsed(destination, "destination ID"), _parsed(tenant, "tenant ID")
-    _run(lambda engine: update_destination(engine, tenant_id, destination_id, changes), owner=True)
+    _run(lambda engine: update_destination(engine, tenant_id, destination_id, changes, ask_partner=not no_check,
+                                           warn=_warn), owner=True)
     print(f"updated {destination_id}")
 
 
@@ -357,7 +482,8 @@ def list_command(tenant: str | None = typer.Option(None, help="only this tenant'
 def check_command(destination: str = typer.Argument(..., help="destination ID"), tenant: str = TENANT) -> None:
     """Connect as a delivery would and say what was found, one line per fact.
 
-    Connects with the pinned host key and the credential, looks at final_dir and temp_dir, and writes nothing.
+    Connects with the pinned host key and the credential, looks at final_dir and temp_dir and at the evidence
+    the contract names (check_file: whether the partner answers check-file-name), and writes nothing.
     Exit status 1 with one line on stderr when what it found would stop a delivery. Reads the row as the
     application role (EXPORTS_DATABASE_URL); an env: credential is looked up in this environment."""
     destination_id, tenant_id = _parsed(destination, "destination ID"), _parsed(tenant, "tenant ID")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 from uuid import UUID
 
@@ -275,7 +276,10 @@ class JobStore(RoleStore):
     async def release_lease(self, job_id: UUID, attempt_id: UUID, holder: str) -> bool:
         return await self._write("release_lease", job_id=job_id, attempt_id=attempt_id, holder=holder) == 1
 
-    async def authorize_delivery(self, job: JobRow, attempt_id: UUID, file: BuiltFile) -> AuthorizationResult:
+    async def authorize_delivery(self, job: JobRow, attempt_id: UUID, file: BuiltFile, *,
+                                 not_after: datetime | None = None) -> AuthorizationResult:
+        """Cutoff 2. `not_after`: the step's own bound, after which it authorizes nothing (it reads as a lapsed
+        lease: the caller knows its bound passed)."""
         written = await self.db.write(
             "authorize_delivery",
             reread=Reread("ownership_reread", {"job_id": job.id}),
@@ -288,6 +292,7 @@ class JobStore(RoleStore):
             length=file.size,
             sha256=bytes.fromhex(file.sha256_hex),
             lease_seconds=self.lease_seconds,
+            not_after=not_after,
         )
         if written.changed:
             return AuthorizationResult.AUTHORIZED

@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     lock_timeout_ms: int = Field(2000, ge=1)
     reread_timeout_seconds: float = Field(5.0, gt=0)
     dispatcher_poll_seconds: float = Field(2.0, gt=0)
+    # The outbox lock's session is ended by PostgreSQL after this much silence (store/outbox.py): the longest one
+    # paused or cut-off dispatcher holds the others back. A publication may take half of it.
+    dispatcher_lock_idle_seconds: float = Field(5.0, ge=1)
     # Off only to drain a deployment before a rollback (CHANGELOG.md): no new run starts, and exports created
     # meanwhile wait in the database, Queued, for the next dispatcher.
     dispatcher_enabled: bool = True

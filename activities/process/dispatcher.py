@@ -10,12 +10,21 @@ client retries, once per row. Instead a pass reads the unpublished rows in one s
 by one outside any transaction, and marks each published row with its own conditional update, all through
 store/outbox.py, whose session advisory lock keeps two dispatchers from publishing the same backlog at once. The
 first publication that fails ends the pass: Temporal is away, and the next poll tries again.
+
+The lock's session is bounded (store/outbox.py says how): a dispatcher that stops answering while it holds the lock
+(paused, or cut off) loses it after `Outbox.lock_idle_seconds` of silence, and another dispatcher takes over. So
+that a healthy holder never looks silent, each publication is bounded by `OutboxPass.publish_seconds`, half that
+bound (a publication that takes longer has failed, as above), and the holder checks its session before each one.
+Meanwhile the other dispatchers' passes publish nothing: the first skipped pass is noted at debug level, and once
+passes have found the lock taken for longer than a poll interval, one warning names the holder (its backend pid)
+and how long it has been silent; the pass that takes the lock again says so.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from uuid import UUID
 
 import asyncpg
@@ -24,7 +33,7 @@ from temporalio.client import Client
 from activities.contracts import ExportInput, Wake
 from activities.process.temporal import short_reason
 from store import errors
-from store.outbox import Outbox
+from store.outbox import LockHolder, Outbox
 from workflows.identity import export_workflow_id
 
 # The logger keeps the name it had before the module moved into process/: log filters and alerts match on it.
@@ -52,6 +61,8 @@ class OutboxDispatcher:
         self.batch = batch
         self._nudged = asyncio.Event()
         self._failing = False
+        self._lock_taken_since: float | None = None  # since when every pass has found the lock taken
+        self._lock_wait_said = False  # and whether that wait has been warned about
 
     async def publish(self, message_id: UUID, job_id: UUID) -> None:
         await self.client.start_workflow(
@@ -64,14 +75,24 @@ class OutboxDispatcher:
         )
 
     async def dispatch_once(self) -> int:
-        """Publish one batch of unpublished rows; the number published (0 while another dispatcher publishes)."""
+        """Publish one batch of unpublished rows; the number published (0 while another dispatcher holds the lock)."""
         published = 0
         async with self.outbox.dispatch_pass() as outbox:
             if outbox is None:
+                await self._lock_taken()
                 return 0
+            self._lock_free()
             for row in await outbox.pending(self.batch):
+                await outbox.still_held()
                 try:
-                    await self.publish(row.message_id, row.job_id)
+                    async with asyncio.timeout(outbox.publish_seconds):
+                        await self.publish(row.message_id, row.job_id)
+                except TimeoutError:
+                    await outbox.still_held()  # a pause of this process, rather than Temporal, ends it: LockLost
+                    log.warning("outbox row %s (%s for %s) not published, the next pass tries again: Temporal did "
+                                "not answer within %g s", row.message_id, row.kind, row.job_id,
+                                outbox.publish_seconds)
+                    break
                 except Exception as exc:
                     log.warning("outbox row %s (%s for %s) not published, the next pass tries again: %s",
                                 row.message_id, row.kind, row.job_id, short_reason(exc))
@@ -79,6 +100,28 @@ class OutboxDispatcher:
                 await outbox.mark_published(row.message_id)
                 published += 1
         return published
+
+    async def _lock_taken(self) -> None:
+        """A skipped pass: debug, until passes have found the lock taken for longer than a poll interval; then one
+        warning for this wait, naming the holder."""
+        now = time.monotonic()
+        if self._lock_taken_since is None:
+            self._lock_taken_since = now
+        waited = now - self._lock_taken_since
+        if self._lock_wait_said or waited < self.poll_seconds:
+            log.debug("outbox lock taken by another session: this pass publishes nothing")
+            return
+        self._lock_wait_said = True
+        log.warning("outbox passes have published nothing for %.1f s: %s; a holder that stops answering loses the "
+                    "lock after %g s of silence, and this dispatcher then takes over",
+                    waited, _holder(await self.outbox.lock_holder()), self.outbox.lock_idle_seconds)
+
+    def _lock_free(self) -> None:
+        if self._lock_wait_said and self._lock_taken_since is not None:
+            log.info("outbox lock taken again after %.1f s: outbox dispatch works again",
+                     time.monotonic() - self._lock_taken_since)
+        self._lock_taken_since = None
+        self._lock_wait_said = False
 
     async def run(self, stop: asyncio.Event) -> None:
         listener = await self._listen()
@@ -118,3 +161,13 @@ class OutboxDispatcher:
         """One warning when an outage begins; while it lasts, the same news at debug level."""
         (log.debug if self._failing else log.warning)(message)
         self._failing = True
+
+
+def _holder(holder: LockHolder | None) -> str:
+    if holder is None:
+        return "another dispatcher holds the outbox lock"
+    if holder.state is None:
+        return f"backend pid {holder.pid} holds the outbox lock (its state is not visible to this role)"
+    if holder.state == "idle" and holder.silent_seconds is not None:
+        return f"backend pid {holder.pid} holds the outbox lock, silent for {holder.silent_seconds:.1f} s"
+    return f"backend pid {holder.pid} holds the outbox lock ({holder.state})"

@@ -1,7 +1,8 @@
 -- Cutoff 2: Running -> Delivering for this attempt and the build that made the file, only with no stop request and
 -- a current lease, which it renews, so the upload starts with a full one; for a replacement, also only while its
 -- original is not Completed. FOR SHARE makes a correction of the original and this statement wait for each
--- other, whichever commits first.
+-- other, whichever commits first. :not_after is the step's own bound: a step that reaches the database after it
+-- (its worker was paused, and the run has moved on) authorizes nothing.
 WITH original_open AS (
     SELECT 1 FROM export_jobs
     WHERE tenant_id = :tenant_id AND id = CAST(:replaces_job_id AS uuid) AND status <> 'Completed'
@@ -16,6 +17,7 @@ authorized AS (
       AND claimed_by = coalesce(CAST(:holder AS text), claimed_by)
       AND stop_request_id IS NULL
       AND lease_expires_at > clock_timestamp()
+      AND clock_timestamp() < coalesce(CAST(:not_after AS timestamptz), 'infinity')
       AND (CAST(:replaces_job_id AS uuid) IS NULL OR EXISTS (SELECT 1 FROM original_open))
     RETURNING id, attempt_id, delivery_authorized_at)
 INSERT INTO export_attempt_events (job_id, attempt_id, kind, detail, recorded_at)

@@ -86,19 +86,19 @@ async def test_setup_adds_what_is_missing_and_refuses_an_attribute_of_another_ty
 async def test_migrate_to_the_previous_revision_and_back(db, tmp_path):
     settings = db.settings()
 
-    async def final_name_column() -> bool:
-        return bool(await db.admin.fetchval("SELECT count(*) FROM information_schema.columns WHERE "
-                                            "table_name = 'export_jobs' AND column_name = 'final_name'"))
+    async def head_migration_in_place() -> bool:
+        """Whether the head's migration is in place (0008: the trigger that stamps evidence's holder)."""
+        return bool(await db.admin.fetchval("SELECT count(*) FROM pg_trigger WHERE tgname = 't_evidence_holder'"))
 
     down = await exports_command(settings, "migrate", "--to", PREVIOUS, cwd=tmp_path)
     assert down.code == 0 and f"at {PREVIOUS} (was {head_revision()})" in down.stdout, down
     assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == PREVIOUS
-    assert not await final_name_column()  # the head's migration, undone
+    assert not await head_migration_in_place()  # the head's migration, undone
 
     up = await exports_command(settings, "migrate", "--to", head_revision(), cwd=tmp_path)
     assert up.code == 0 and f"at {head_revision()} (was {PREVIOUS})" in up.stdout, up
     assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == head_revision()
-    assert await final_name_column()
+    assert await head_migration_in_place()
     # The worker's checks pass again, grants included.
     assert await preflight.check_database(settings) == preflight.DatabaseCheck([])
 

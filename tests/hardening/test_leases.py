@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import time
 import uuid
@@ -298,3 +299,96 @@ async def test_a_renewal_that_throws_is_retried_soon_so_a_short_outage_never_let
         hold.release.set()
         row = await h.settled(job_id)
         assert row.status is Status.COMPLETED and row.attempt_count == 1
+
+
+# --- LV4: a PostgreSQL outage shorter than the lease minus one renewal interval never lets the lease lapse --------
+
+# Production's proportions (lease 60 s, renewed every 20 s), scaled down so that a doubling backoff from half a second
+# reaches the interval within the outage: retries after 0.5, 1 and 2 s, then a whole interval (4 s) later.
+LV4_LEASE = 10.5
+LV4_RENEW = 4.0
+# The keeper's promise (activities/lease.py): an outage shorter than lease - renew_every - its cap on a retry's delay
+# (2 s) never lets the lease lapse. The outage below stays within that, and so within lease - renew_every.
+LV4_RETRY_CAP = 2.0
+
+
+@pytest.mark.spec("LV4")
+async def test_a_postgresql_outage_shorter_than_the_lease_minus_one_interval_never_lets_the_lease_lapse(
+        db, store, client, tmp_path, caplog):
+    """The delivery is held before its upload while the keeper renews the lease every 4 s (lease 10.5 s). Every
+    connection of the worker to PostgreSQL is cut and refused from just before a scheduled renewal until right after
+    the third retry has failed (about 4 s). The next retry must come within a few seconds of PostgreSQL's return,
+    not a whole interval later: the lease never lapses, recovery takes nothing over and the attempt delivers."""
+    async with AsyncExitStack() as stack:
+        proxy = await open_proxy(stack, db)
+        hold = Hold(BEFORE_UPLOAD)
+        h = await lease_harness(stack, db, store, client, tmp_path, proxy=proxy, hold=hold,
+                                lease_seconds=LV4_LEASE, renew_every_seconds=LV4_RENEW)
+        job_id = await h.create()
+        attempt_id = await first_attempt(db, job_id)
+        await hold.wait_held()  # the delivery has adopted the keeper; only its scheduled renewals touch the lease
+
+        # A scheduled renewal, seen in the row: the next one is due one interval later.
+        seen = (await lease_state(db, job_id))["lease_expires_at"]
+        renewed = await eventually(lambda: lease_state(db, job_id), lambda s: s["lease_expires_at"] > seen,
+                                   timeout=BOUND, interval=0.02, what="a scheduled renewal")
+        renewed_at = time.monotonic()
+
+        lapsed: list[dict] = []
+
+        async def sample_the_lease() -> None:  # the database's clock, through the admin's own connection
+            while True:
+                state = await lease_state(db, job_id)
+                if state["expired"]:
+                    lapsed.append(state)
+                await asyncio.sleep(0.05)
+
+        sampler = asyncio.create_task(sample_the_lease())
+
+        async def stop_sampling() -> None:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
+
+        stack.push_async_callback(stop_sampling)
+        stack.callback(proxy.accept_new_connections)  # never leave the worker cut off, whatever fails below
+
+        def failed_renewals() -> list[str]:
+            return [r.getMessage() for r in caplog.records
+                    if r.name == "activities.lease" and r.getMessage().startswith(f"lease renewal for {job_id} ")
+                    and "failed" in r.getMessage()]
+
+        with caplog.at_level(logging.WARNING, logger="activities.lease"):
+            await asyncio.sleep(renewed_at + LV4_RENEW - 0.3 - time.monotonic())
+            proxy.refuse_new_connections()
+            proxy.cut_all()
+            outage_from = time.monotonic()
+            # The scheduled renewal fails, then its retries after 0.5, 1 and 2 s; PostgreSQL comes back right after
+            # the third retry has failed.
+            await eventually(lambda: asyncio.sleep(0, failed_renewals()), lambda f: len(f) >= 4, timeout=BOUND,
+                             interval=0.01, what="four failed renewals")
+            proxy.accept_new_connections()
+            outage = time.monotonic() - outage_from
+            failed = failed_renewals()
+            # Watch the lease past the point where it would lapse had the keeper waited a whole interval.
+            await asyncio.sleep(renewed_at + LV4_LEASE + 1.5 - time.monotonic())
+            failed_after = failed_renewals()
+        await stop_sampling()
+
+        # The precondition: the outage was shorter than the lease minus one renewal interval (and the retry cap).
+        assert outage < LV4_LEASE - LV4_RENEW - LV4_RETRY_CAP, f"the outage lasted {outage:.1f} s"
+        # The outage really happened: the keeper's renewals failed, and the worker's connections were refused.
+        assert len(failed) == 4 and failed_after == failed, failed_after
+        assert proxy.refused >= 4
+        assert lapsed == [], f"the lease lapsed after an outage of {outage:.1f} s: {lapsed[0]}"
+        state = await lease_state(db, job_id)
+        assert state["expired"] is False and state["lease_expires_at"] > renewed["lease_expires_at"]
+        report = await run_recovery(h.client, h.settings)
+        assert [t for t in report.taken_over if t.job_id == job_id] == []
+
+        hold.release.set()
+        row = await h.settled(job_id)
+        assert row.status is Status.COMPLETED and row.attempt_count == 1 and row.attempt_id == attempt_id
+        found = await events(db, job_id)
+        assert kinds(found).count("DeliveryAuthorized") == 1 and kinds(found).count("Finished") == 1
+        assert not {"RequeuedByRecovery", "ResolvedByRecovery"} & set(kinds(found))
+        assert_partner_holds(h.partner, row, only=True)

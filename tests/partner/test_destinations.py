@@ -1,6 +1,8 @@
 """HI7: a destination is validated when it is written (`exports destinations add` and `update`), `check` connects
 with the pinned key and says what it found, and an export to a destination whose contract is not valid is Rejected
-before its claim."""
+before its claim. LV3: the evidence by content a contract names is asked of the partner (writing nothing there)
+when it is written and when it is checked, and a method the partner does not offer (check_file on OpenSSH) is
+refused in one line."""
 
 from __future__ import annotations
 
@@ -14,9 +16,12 @@ import pytest
 from typer.testing import CliRunner
 
 from starter.localstack.partner import LocalPartner
+from starter.localstack.ports import free_port
 from store.models import Status
 from store.settings import get_settings
 from tests.helpers.harness import Harness
+from tests.helpers.openssh_partner import OpenSshPartner, require_sshd
+from tests.helpers.support import Ran, exports_command
 from workflows.identity import export_workflow_id
 
 
@@ -203,6 +208,7 @@ async def test_add_list_update_and_check__against_the_local_partner(db, env, par
     assert sorted(p.name for p in partner.final_dir.iterdir()) == ["already-there.csv"]
     assert list(partner.temp_dir.iterdir()) == []
 
+    (partner.root / "acks").mkdir()  # an acknowledgment_dir is asked of the partner when it is written
     updated = await run(env, "update", str(destination), "--tenant", str(tenant), "--disabled",
                         "--acknowledgment-dir", "/acks", "--name", "renamed partner")
     assert updated.exit_code == 0, updated.output
@@ -269,6 +275,116 @@ async def test_add__only_the_owner_may_write_destinations(db, env, partner):
     assert result.exit_code == 4, (result.stdout, result.stderr)
     assert one_line(result.stderr).startswith("refused: ")
     assert await destination_rows(db) == []
+
+
+# --- LV3: the evidence the contract names, asked of the partner (OpenSSH's sshd and sftp-server) -------------
+
+
+@pytest.fixture
+async def openssh(tmp_path):
+    require_sshd()
+    server = await OpenSshPartner(tmp_path / "openssh").start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+def openssh_options(server: OpenSshPartner, tenant: uuid.UUID, **overrides: str) -> list[str]:
+    """The options of an `add` that reaches the OpenSSH partner; `overrides` by option name."""
+    d = server.destination()
+    values = {"tenant": str(tenant), "name": "openssh partner", "host": d.host, "port": str(d.port),
+              "username": d.username, "final_dir": d.final_dir, "temp_dir": d.temp_dir, "host_key": d.host_key,
+              "credential_ref": d.credential_ref}
+    values.update(overrides)
+    return [part for name, value in values.items() for part in (f"--{name.replace('_', '-')}", value)]
+
+
+async def destinations_command(db, cwd: Path, *args: str) -> Ran:
+    """The real `exports destinations ...`, a process of its own, with this test's database."""
+    return await exports_command(db.settings(), "destinations", *args, cwd=cwd, bound=90)
+
+
+def assert_one_line_refusal(ran: Ran, code: int, prefix: str, *expected: str) -> str:
+    assert ran.code == code, ran
+    line = one_line(ran.stderr)
+    assert line.startswith(prefix), line
+    for fragment in expected:
+        assert fragment in line, line
+    return line
+
+
+def partner_untouched(server: OpenSshPartner) -> None:
+    assert list((server.root / "outbound").iterdir()) == [] and list((server.root / "incoming-tmp").iterdir()) == []
+
+
+@pytest.mark.spec("LV3")
+async def test_add_update_and_check__refuse_check_file_at_an_openssh_partner_in_one_line(db, openssh, tmp_path):
+    tenant = uuid.uuid4()
+    refused = await destinations_command(db, tmp_path, "add",
+                                         *openssh_options(openssh, tenant, hash_evidence="check_file"))
+    assert_one_line_refusal(refused, 2, "error: ", "check_file", "does not offer")
+    assert refused.stdout == "" and await destination_rows(db) == []
+
+    # read_back needs only reads, which no listing can prove without a file: accepted.
+    added = await destinations_command(db, tmp_path, "add",
+                                       *openssh_options(openssh, tenant, hash_evidence="read_back"))
+    assert added.code == 0 and added.stderr == "", added
+    destination = uuid.UUID(one_line(added.stdout))
+    before = await destination_rows(db)
+    assert [row["hash_evidence"] for row in before] == ["read_back"]
+
+    updated = await destinations_command(db, tmp_path, "update", str(destination), "--tenant", str(tenant),
+                                         "--hash-evidence", "check_file")
+    assert_one_line_refusal(updated, 2, "error: ", "check_file", "does not offer")
+    assert updated.stdout == "" and await destination_rows(db) == before
+
+    # A row that names check_file all the same (written by SQL, or before this check): check fails in one line,
+    # and the row can still be disabled and mended.
+    await db.admin.execute("UPDATE destinations SET hash_evidence = 'check_file' WHERE id = $1", destination)
+    checked = await destinations_command(db, tmp_path, "check", str(destination), "--tenant", str(tenant))
+    assert_one_line_refusal(checked, 1, "failed: hash_evidence check_file", "does not offer")
+    for change in (["--disabled"], ["--hash-evidence", "read_back", "--enabled"]):
+        mended = await destinations_command(db, tmp_path, "update", str(destination), "--tenant", str(tenant),
+                                            *change)
+        assert mended.code == 0 and mended.stderr == "", mended
+    checked = await destinations_command(db, tmp_path, "check", str(destination), "--tenant", str(tenant))
+    assert checked.code == 0 and checked.stderr == "", checked
+    partner_untouched(openssh)
+
+
+@pytest.mark.spec("LV3")
+async def test_add__an_acknowledgment_dir_the_partner_does_not_have_is_refused_in_one_line(db, openssh, tmp_path):
+    tenant = uuid.uuid4()
+    acks = str(openssh.root / "acks")
+    refused = await destinations_command(db, tmp_path, "add",
+                                         *openssh_options(openssh, tenant, acknowledgment_dir=acks))
+    assert_one_line_refusal(refused, 2, "error: ", "acknowledgment_dir", acks, "no such directory")
+    assert await destination_rows(db) == []
+    (openssh.root / "acks").mkdir()
+    added = await destinations_command(db, tmp_path, "add",
+                                       *openssh_options(openssh, tenant, acknowledgment_dir=acks))
+    assert added.code == 0 and added.stderr == "", added
+    assert [row["acknowledgment_dir"] for row in await destination_rows(db)] == [acks]
+    partner_untouched(openssh)
+
+
+@pytest.mark.spec("LV3")
+async def test_add__a_partner_not_reachable_from_here_is_written_with_a_warning_and_no_check_asks_nothing(
+        db, openssh, tmp_path):
+    tenant = uuid.uuid4()
+    unreachable = await destinations_command(db, tmp_path, "add", *openssh_options(
+        openssh, tenant, name="elsewhere", port=str(free_port()), hash_evidence="check_file"))
+    assert unreachable.code == 0, unreachable
+    uuid.UUID(one_line(unreachable.stdout))
+    warning = one_line(unreachable.stderr)
+    assert warning.startswith("warning: ") and "check_file" in warning and "exports destinations check" in warning
+    # --no-check: written as given, nothing asked of the partner (one that will offer it later, say).
+    unchecked = await destinations_command(db, tmp_path, "add", "--no-check",
+                                           *openssh_options(openssh, tenant, hash_evidence="check_file"))
+    assert unchecked.code == 0 and unchecked.stderr == "", unchecked
+    assert sorted(row["hash_evidence"] for row in await destination_rows(db)) == ["check_file", "check_file"]
+    partner_untouched(openssh)
 
 
 # --- an export to a destination whose contract is not valid -------------------------------------------------

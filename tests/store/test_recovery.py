@@ -189,7 +189,8 @@ async def test_authorization_holding_the_row_makes_the_requeue_wait_then_match_n
     file = built(job)
     async with held(app_engine, "authorize_delivery", job_id=job.id, tenant_id=job.tenant_id,
                     attempt_id=attempt_id, replaces_job_id=None, final_name=file.final_name, length=file.size,
-                    sha256=bytes.fromhex(file.sha256_hex), holder=None, lease_seconds=5.0) as (conn, pid):
+                    sha256=bytes.fromhex(file.sha256_hex), holder=None, lease_seconds=5.0,
+                    not_after=None) as (conn, pid):
         await eventually(lambda: lease_current(db, job.id), lambda current: current is False, timeout=WAIT,
                          what="lease expiry")
         requeue = asyncio.create_task(recovery.requeue(job.id, attempt_id))

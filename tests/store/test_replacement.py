@@ -190,7 +190,8 @@ async def test_correction__waits_for_a_cutoff_2_that_commits_first_then_succeeds
         inserted = (await cutoff.execute(statement("authorize_delivery"), {
             "job_id": replacement, "tenant_id": tenant_id, "attempt_id": replacement_attempt,
             "replaces_job_id": original, "final_name": file.final_name, "length": file.size,
-            "sha256": bytes.fromhex(file.sha256_hex), "holder": None, "lease_seconds": 5.0})).rowcount
+            "sha256": bytes.fromhex(file.sha256_hex), "holder": None, "lease_seconds": 5.0,
+            "not_after": None})).rowcount
         assert inserted == 1
         holder = (await cutoff.exec_driver_sql("SELECT pg_backend_pid()")).scalar()
         reconciler = make_reconciler_engine(db)

@@ -13,6 +13,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from temporalio.api.enums.v1 import EventType, TimeoutType
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.service import RPCError, RPCStatusCode
 
+from activities import checkpoints
 from activities.contracts import (
     Admission,
     AttemptInput,
@@ -316,6 +318,38 @@ async def test_killed_after_cutoff_2_committed__the_run_reads_the_settled_row_wi
     assert not named(runs, "deliver")
     described = await handle.describe()
     assert described.typed_search_attributes.get(EXPORT_STATUS) == "OutcomeUnknown"
+
+
+# --- LV5: a cutoff-2 step that reaches its worker after its bound authorizes nothing ---------------------------
+
+
+@pytest.mark.spec("LV5")
+async def test_a_cutoff_2_step_that_starts_after_its_bound_authorizes_nothing(crash_harness):
+    """The worker holds the cutoff-2 step at its start (as a worker paused with a poll open would) past the step's
+    heartbeat timeout: the run moves on. Released, the late step must authorize nothing and hand the attempt back,
+    so recovery requeues it and a second attempt delivers: Completed, not OutcomeUnknown."""
+    h = crash_harness
+    hold = f"{checkpoints.BEFORE_STEP}authorize_delivery"
+    async with processes(h) as started:
+        await start_worker(started, h, hold_at=hold)
+        job_id = await h.create()
+        await held_at(h.settings, hold, job_id)
+        first = (await h.store.read_job(job_id)).attempt_id
+        # The run gives the step up (heartbeat timeout, one lease) and reads the row again.
+        await eventually(lambda: activity_runs(h, job_id),
+                         lambda runs: [r.outcome for r in named(runs, "authorize_delivery")] == ["timed_out"],
+                         timeout=30, interval=0.2, what="the run giving the held cutoff-2 step up")
+        (Path(h.settings.work_dir) / f"release-{hold}-{job_id}").touch()
+        # Released late: it authorizes nothing and ends the lease, so recovery takes the attempt back at once.
+        await wait_lease_expired(h, job_id)
+        report = await asyncio.wait_for(run_recovery(h.client, h.settings), timeout=30)
+        assert recorded_for(report, job_id) == ["RequeuedByRecovery"]
+        row = await h.settled(job_id)
+
+    assert row.status is Status.COMPLETED and row.attempt_count == 2, row
+    evts = await events(h.db, job_id)
+    assert kinds(evts, first, evidence_once=True) == ["Claimed", "BuildStarted", "RequeuedByRecovery"]
+    assert outbound_names(h.partner) == [row.final_name]
 
 
 # --- LR3 / LR4: the claim's response lost, and the re-read failing too ----------------------------------------------

@@ -29,7 +29,7 @@ from store.outbox import Outbox
 from tests.helpers.crash import crash_world, processes, start_worker
 from tests.helpers.events import events
 from tests.helpers.faults import fault_proxy
-from tests.helpers.harness import WorkerProcess, held_at, open_harness
+from tests.helpers.harness import WorkerProcess, held_at, open_harness, run_recovery
 from tests.helpers.lease import LEASE
 from tests.helpers.support import create_job, eventually, seed_tenant
 
@@ -281,6 +281,37 @@ async def test_sigterm_hands_back_a_build_which_resumes_elsewhere_without_waitin
     # Resumed by the worker that stayed (worker IDs name the process: host-pid-suffix).
     assert len(builds) == 2 and f"-{staying.process.pid}-" in builds[1]["worker_id"], builds
     assert leaving.process.returncode == 0
+    log = leaving.log_path.read_text()
+    assert "handed back" in log and "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.spec("LV6", "OU6")
+async def test_sigterm_hands_back_a_built_attempt_whose_next_step_has_not_started(db, store, client, tmp_path):
+    """Built, its lease handed over to cutoff 2, which has not begun on this worker (held at its start) when the
+    worker gets SIGTERM: the attempt is handed back (its lease ends at once), so recovery requeues it at its next
+    run and another worker delivers it, rather than a lease later."""
+    lease = 30.0  # long, so that waiting it out would show
+    hold = "before:authorize_delivery"
+    async with crash_world(db, store, client, tmp_path, lease_seconds=lease, renew_every_seconds=1.0) as h, \
+            processes(h) as started:
+        leaving = await start_worker(started, h, hold_at=hold, shutdown_grace_seconds=1.0)
+        job_id = await h.create()
+        await held_at(h.settings, hold, job_id, timeout=BOUND)
+        first = (await h.store.read_job(job_id)).attempt_id
+        began = time.monotonic()
+        leaving.process.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(leaving.process.wait(), timeout=lease / 2)
+        await eventually(lambda: h.db.admin.fetchval(
+            "SELECT lease_expires_at <= clock_timestamp() FROM export_jobs WHERE id = $1", job_id), bool,
+            timeout=2.0, interval=0.1, what="the lease ended by the worker that left")
+        assert time.monotonic() - began < lease / 2
+        await start_worker(started, h)
+        report = await asyncio.wait_for(run_recovery(h.client, h.settings), timeout=BOUND)
+        assert [t.recorded for t in report.taken_over if t.job_id == job_id] == ["RequeuedByRecovery"]
+        row = await h.settled(job_id)
+    assert row.status is Status.COMPLETED and row.attempt_count == 2, row
+    assert [e["kind"] for e in await events(h.db, job_id) if e["attempt_id"] == first] == [
+        "Claimed", "BuildStarted", "RequeuedByRecovery"]
     log = leaving.log_path.read_text()
     assert "handed back" in log and "Traceback" not in log, log[-3000:]
 

@@ -64,7 +64,10 @@ async def test_terminated_during_the_upload__the_next_run_says_completed(slow_up
     h = slow_upload_harness
     job_id = await h.create()
     await eventually(lambda: h.store.read_job(job_id), lambda r: r.status is Status.DELIVERING, timeout=BOUND,
-                     interval=0.05, what="the upload under way")
+                     interval=0.05, what="cutoff 2")
+    # Bytes on their way: the upload has begun (a Terminate before the step starts leaves it to recovery).
+    await eventually(lambda: asyncio.sleep(0, list((h.partner.root / "incoming-tmp").iterdir())), bool,
+                     timeout=BOUND, interval=0.05, what="the upload under way")
     first = await run_id(h, job_id)
     await h.client.get_workflow_handle(export_workflow_id(job_id)).terminate(reason="simulating a crash")
     row = await eventually(lambda: h.store.read_job(job_id), lambda r: r.status.is_settled, timeout=BOUND,
