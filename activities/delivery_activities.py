@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import UTC, datetime, timedelta
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
 from uuid import UUID
 
 from temporalio import activity
@@ -17,6 +19,7 @@ from activities.contracts import AuthorizeInput, AuthorizeOutput, DeliverInput, 
 from activities.destination import DestinationConfig, Replacement
 from activities.evidence import EvidenceLog
 from activities.export_base import ExportActivitiesBase, attempt_step
+from activities.lease import LeaseKeeper, beats
 from activities.outcomes import DeliveryResult
 from activities.patience import retry_patiently, run_to_end
 from activities.process import metrics
@@ -33,17 +36,17 @@ class DeliveryActivities(ExportActivitiesBase):
         """Cutoff 2, and what its refusal means. The file is removed unless delivery was authorized; the lease is
         handed on to the delivery only then. It heartbeats, so that a worker that dies here is noticed within a
         lease (its heartbeat timeout), not after the step's whole timeout."""
-        beats = _Beats()
-        async with self._heartbeating(beats.mark):
-            return await self._authorize_delivery(request, beats)
+        async with self._heartbeating(lambda: None):
+            return await self._authorize_delivery(request)
 
-    async def _authorize_delivery(self, request: AuthorizeInput, beats: _Beats) -> AuthorizeOutput:
+    async def _authorize_delivery(self, request: AuthorizeInput) -> AuthorizeOutput:
         job, attempt_id, file = request.job, request.attempt_id, request.file
         lease = self._keeper(job.id, attempt_id, file.holder)
         result = AuthorizationResult.UNKNOWN
         try:
             await self.checkpoints.reached(checkpoints.BEFORE_CUTOFF_2, job.id)
-            not_after = beats.bound()
+            heard = beats()
+            not_after = heard.bound() if heard is not None else None
             try:
                 if _past(not_after):
                     result = AuthorizationResult.LEASE_LAPSED  # not even asked: see below
@@ -134,17 +137,21 @@ class DeliveryActivities(ExportActivitiesBase):
                         outcome="Failed", failure_reason="NotDelivered", summary="destination vanished before upload"
                     )
                 else:
-                    result = await metrics.timed_delivery(job.destination_id, file.size, partner_delivery.deliver(
-                        DestinationConfig.from_row(destination),
-                        file.path,
-                        file.final_name,
-                        partner_delivery.temp_file_name(file.final_name, attempt_id),
-                        record_evidence=record_evidence,
-                        on_progress=lambda sent, total: progress.update(sent=sent),
-                        throttle_bytes_per_second=self.settings.upload_throttle_bytes_per_second,
-                        expected_sha256=file.sha256_hex,
-                        replacement=await self._replacement(job),
-                    ))
+                    config, replacement = DestinationConfig.from_row(destination), await self._replacement(job)
+                    for number in range(1, self.settings.delivery_tries + 1):
+                        result = await metrics.timed_delivery(job.destination_id, file.size, partner_delivery.deliver(
+                            config,
+                            file.path,
+                            file.final_name,
+                            partner_delivery.temp_file_name(file.final_name, attempt_id),
+                            record_evidence=record_evidence,
+                            on_progress=lambda sent, total: progress.update(sent=sent),
+                            throttle_bytes_per_second=self.settings.upload_throttle_bytes_per_second,
+                            expected_sha256=file.sha256_hex,
+                            replacement=replacement,
+                        ))
+                        if not await self._try_again(result, number, lease, record_evidence, job.id, attempt_id):
+                            break
                 await self.checkpoints.reached(checkpoints.AFTER_RECEIPT, job.id)
                 outcome = Status(result.outcome)
                 failure = FailureCode(result.failure_reason) if result.failure_reason else None
@@ -171,6 +178,24 @@ class DeliveryActivities(ExportActivitiesBase):
         return DeliverOutput(outcome=outcome, failure_reason=failure, summary=result.summary, written=written,
                              row=await self._row_after(job.id) if written else None)
 
+    async def _try_again(self, result: DeliveryResult, number: int, lease: LeaseKeeper,
+                         record_evidence: Callable[[dict[str, Any]], Awaitable[None]], job_id: UUID,
+                         attempt_id: UUID) -> bool:
+        """Whether the attempt tries its delivery again: only a try proven not delivered (nothing at the final name
+        from it) by a fault that may pass, within the configured tries, and only with a lease confirmed now, as
+        before the first. The pause before it doubles from `delivery_retry_delay_seconds`."""
+        if not result.retry_safe or number >= self.settings.delivery_tries:
+            return False
+        if not await lease.confirm(within=self.settings.lease_seconds):
+            log.warning("export %s attempt %s: not tried again, its lease could not be confirmed", job_id, attempt_id)
+            return False
+        pause = self.settings.delivery_retry_delay_seconds * 2 ** (number - 1)
+        log.warning("export %s attempt %s: try %d of %d not delivered (%s); trying again in %g s", job_id,
+                    attempt_id, number, self.settings.delivery_tries, result.summary, pause)
+        await record_evidence({"step": "retry", "try": number + 1, "after": result.summary, "pause": pause})
+        await asyncio.sleep(pause)
+        return True
+
     async def _row_after(self, job_id: UUID) -> JobRow | None:
         """The row as the terminal write left it; None if it cannot be read now (the workflow reads it then)."""
         try:
@@ -179,47 +204,6 @@ class DeliveryActivities(ExportActivitiesBase):
         except Exception as exc:  # noqa: BLE001 - only a shortcut is lost: the workflow re-reads the row itself
             log.info("could not read %s back after its terminal write: %s", job_id, exc)
             return None
-
-
-class _Beats:
-    """Whether the run still waits for this step: Temporal gives a step up once its heartbeat timeout passes without
-    a heartbeat (counted from its start until the first). A heartbeat after such a silence revives nothing, so the
-    step stays late once any gap between its heartbeats (or its start and the first) reached half the timeout."""
-
-    def __init__(self) -> None:
-        self.last: datetime | None = None
-        self.late = False
-
-    def mark(self) -> None:
-        """Called at each heartbeat, as its (empty) details."""
-        now = datetime.now(UTC)
-        previous = self.last or self._started()
-        timeout = self._timeout()
-        if previous is not None and timeout is not None and now - previous >= timeout / 2:
-            self.late = True
-        self.last = now
-
-    def bound(self) -> datetime | None:
-        """Before it the run certainly still waits for this step: half the heartbeat timeout after the last
-        heartbeat (or the start), on the Temporal server's clock, which PostgreSQL's and this worker's follow
-        within far less than that margin; already past for a late step. None outside an activity."""
-        started, timeout = self._started(), self._timeout()
-        if started is None or timeout is None:
-            return None
-        if self.late:
-            return started
-        return max(self.last or started, started) + timeout / 2
-
-    @staticmethod
-    def _started() -> datetime | None:
-        return activity.info().started_time if activity.in_activity() else None
-
-    @staticmethod
-    def _timeout() -> timedelta | None:
-        if not activity.in_activity():
-            return None
-        info = activity.info()
-        return info.heartbeat_timeout or info.start_to_close_timeout
 
 
 def _past(bound: datetime | None) -> bool:

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from uuid import UUID
 
 from activities import checkpoints
-from activities.lease import LeaseKeeper, heartbeating
+from activities.lease import LeaseKeeper, beats, heartbeating
 from store import errors
 from store.jobs import JobStore
 from store.settings import Settings
@@ -49,6 +49,7 @@ def attempt_step(method: Step) -> Step:
 
     @functools.wraps(method)
     async def step(self: ExportActivitiesBase, request: Any) -> Any:
+        beats()  # from here on, every heartbeat of the step is noted (activities/lease.py)
         await self.checkpoints.reached(f"{checkpoints.BEFORE_STEP}{method.__name__}", request.job.id)
         try:
             return await method(self, request)

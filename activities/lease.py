@@ -21,9 +21,11 @@ its cancellation.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
 
@@ -194,17 +196,70 @@ class LeaseKeeper:
         self.on_done(self)
 
 
+class Beats:
+    """When the current activity heartbeat, and so whether Temporal still waits for it: Temporal gives a step up
+    once its heartbeat timeout passes without a heartbeat (counted from its start until the first). A heartbeat
+    after such a silence revives nothing, so the step stays late once any gap between its heartbeats (or between
+    its start and the first) reached half the timeout: a margin for the clocks of the Temporal server, PostgreSQL
+    and this worker, which agree within far less."""
+
+    def __init__(self, started: datetime, timeout: timedelta | None) -> None:
+        self.started = started
+        self.timeout = timeout
+        self.last: datetime | None = None
+        self.late = False
+
+    def mark(self) -> None:
+        now = datetime.now(UTC)
+        if self.timeout is not None and now - (self.last or self.started) >= self.timeout / 2:
+            self.late = True
+        self.last = now
+
+    def bound(self) -> datetime | None:
+        """Until when the run certainly still waits for this step (already past for a late step); None when the
+        step has no timeout to give it up by."""
+        if self.timeout is None:
+            return None
+        if self.late:
+            return self.started
+        return (self.last or self.started) + self.timeout / 2
+
+
+_BEATS: contextvars.ContextVar[Beats | None] = contextvars.ContextVar("activity_heartbeats", default=None)
+
+
+def beats() -> Beats | None:
+    """The current activity's heartbeats (made at its first ask, in its own context, and shared with the tasks it
+    starts afterwards); None outside an activity."""
+    if not activity.in_activity():
+        return None
+    found = _BEATS.get()
+    if found is None:
+        info = activity.info()
+        found = Beats(info.started_time, info.heartbeat_timeout or info.start_to_close_timeout)
+        _BEATS.set(found)
+    return found
+
+
+def heartbeat(*details: Any) -> None:
+    """A heartbeat of the current activity, noted for `beats`: every heartbeat of an attempt step goes here."""
+    noted = beats()
+    if noted is not None:
+        noted.mark()
+    activity.heartbeat(*details)
+
+
 @asynccontextmanager
 async def heartbeating(every: float, details: Callable[[], Any] = lambda: None) -> AsyncIterator[None]:
     """Heartbeats for the current activity while the block runs (created in its context, so they are its own);
     none when the step runs outside an activity (called directly)."""
-    if not activity.in_activity():
+    if beats() is None:  # made here, before the task copies this context: the task's beats are the step's
         yield
         return
 
     async def beat() -> None:
         while True:
-            activity.heartbeat(details())
+            heartbeat(details())
             await asyncio.sleep(every)
 
     task = asyncio.create_task(beat(), name=f"heartbeat-{activity.info().activity_type}")

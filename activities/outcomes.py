@@ -70,6 +70,9 @@ class DeliveryResult(BaseModel):
     summary: str
     receipt: RemoteFile | None = None
     confirmed_by: ConfirmedBy | None = None  # what made a Completed true
+    # Not delivered, proven (nothing written, or a fresh listing shows the final name untouched after a failure
+    # before the rename was sent), by a fault that may pass (a cut, a timeout): the attempt may try again.
+    retry_safe: bool = False
 
 
 class Verdict(NamedTuple):

@@ -193,34 +193,54 @@ async def _after_failure(
 ) -> DeliveryResult:
     logger.warning("delivery of %s to %s failed at step %s: %s", final_path, dest.host, step, describe(exc))
     if step in NOTHING_WRITTEN_YET:
-        result = classify(exc, step, None)
+        result = _retry_safe_if_transient(classify(exc, step, None), exc)
         await _record_quietly(record_evidence, {
             "step": "failure", "failed_step": step, "error": describe(exc),
             "outcome": result.outcome, "failure_reason": result.failure_reason,
         })
         return result
     settled = outcomes.temp_file_removable(exc, step)
-    listing, listing_error = await _fresh_listing_and_cleanup(dest, final_path, temp_path, timeout,
-                                                              remove_temp=settled)
+    listing, listing_error, removed = await _fresh_listing_and_cleanup(dest, final_path, temp_path, timeout,
+                                                                       remove_temp=settled)
     result = classify(exc, step, listing)
+    if step == "upload" and settled:
+        result = _retry_safe_if_transient(result, exc)
     await _record_quietly(record_evidence, {
         "step": "fresh_listing", "failed_step": step, "error": describe(exc),
         "final": listing.model_dump() if listing is not None else None, "listing_error": listing_error,
-        "outcome": result.outcome, "failure_reason": result.failure_reason, "temp_left": not settled,
+        "outcome": result.outcome, "failure_reason": result.failure_reason, "temp_left": not removed,
     })
     return result
 
 
+# Faults that may pass between two tries: the connection cut or reset, a timeout, a temporary file that came out
+# short. Not a host key, a credential, a missing directory or a refusal by the server: another try would meet them.
+_TRANSIENT = (asyncssh.ConnectionLost, asyncssh.SFTPConnectionLost, asyncssh.SFTPNoConnection, ConnectionError,
+              TimeoutError, UploadIncomplete)
+
+
+def _retry_safe_if_transient(result: DeliveryResult, exc: BaseException) -> DeliveryResult:
+    """A Failed/NotDelivered result (proven: nothing at the final name from this delivery) marked safe to try again,
+    when its fault may pass. Never after a cancellation: the caller is being stopped."""
+    if result.failure_reason != "NotDelivered" or isinstance(exc, asyncio.CancelledError):
+        return result
+    if not isinstance(exc, _TRANSIENT):
+        return result
+    return result.model_copy(update={"retry_safe": True})
+
+
 async def _fresh_listing_and_cleanup(
     dest: DestinationConfig, final_path: str, temp_path: str, timeout: float, *, remove_temp: bool
-) -> tuple[RemoteFile | None, str | None]:
+) -> tuple[RemoteFile | None, str | None, bool]:
     """List the final name on a new connection, then, if `remove_temp`, remove the temporary file over the same
     connection.
 
     The listing and the removal are bounded by `timeout` each. Returns the listing (None if it could not be
-    taken) and why it could not. Errors and cancellation are absorbed: see `deliver`.
+    taken), why it could not, and whether the temporary file is known gone (a removal that failed leaves it for
+    the partner sweep, and the evidence says so). Errors and cancellation are absorbed: see `deliver`.
     """
     listing: RemoteFile | None = None
+    removed = False
     try:
         async with asyncio.timeout(timeout) as deadline:
             async with connect(dest, connect_timeout=timeout) as sftp:
@@ -231,12 +251,13 @@ async def _fresh_listing_and_cleanup(
                         await sftp.remove(temp_path)
                     except asyncssh.SFTPNoSuchFile:
                         pass  # Never created, or already renamed into place.
+                    removed = True
     except _CAUGHT as exc:
         if listing is None:
             logger.warning("fresh listing of %s on %s failed: %s", final_path, dest.host, describe(exc))
-            return None, describe(exc)
+            return None, describe(exc), False
         logger.warning("could not remove temporary file %s on %s: %s", temp_path, dest.host, describe(exc))
-    return listing, None
+    return listing, None, removed
 
 
 async def _record(

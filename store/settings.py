@@ -73,6 +73,11 @@ class Settings(BaseSettings):
     # How long a delivery that has its outcome waits for PostgreSQL to take its evidence and terminal write, before
     # it leaves the attempt to recovery (which then judges from what the partner shows).
     store_outage_patience_seconds: float = Field(600.0, gt=0)
+    # A delivery proven not delivered by a fault that may pass (cut before the rename was sent, the final name
+    # untouched) is tried again within its attempt, under its lease: at most this many tries in all, pausing
+    # `delivery_retry_delay_seconds` before the second, twice that before the third, and so on.
+    delivery_tries: int = Field(3, ge=1, le=10)
+    delivery_retry_delay_seconds: float = Field(2.0, ge=0, le=60)
     # How long a build that finds the local disk full keeps trying (space another build holds may be freed)
     # before the attempt ends BuildFailed.
     disk_full_patience_seconds: float = Field(600.0, ge=0)
