@@ -26,7 +26,7 @@ from starter.localstack.temporal import LocalTemporal
 from store.db import asyncpg_dsn, make_engine
 from store.models import Status
 from store.outbox import Outbox
-from tests.helpers.crash import crash_world, processes, start_worker
+from tests.helpers.crash import crash_world, processes, recorded_for, recover_on, recovery_only_worker, start_worker
 from tests.helpers.events import events
 from tests.helpers.faults import fault_proxy
 from tests.helpers.harness import WorkerProcess, held_at, open_harness, run_recovery
@@ -144,6 +144,59 @@ async def test_an_upload_that_finishes_during_a_postgresql_outage_is_recorded_wi
                      "Finished"], steps
     log = worker.log_path.read_text()
     assert "kept for later" in log and log.count("Traceback") == 0, log[-3000:]
+
+
+@pytest.mark.spec("OU3")
+async def test_an_outage_past_the_lease_with_recovery_running_ends_a_delivered_file_completed(
+        db, store, client, tmp_path):
+    """The worker alone is cut off from PostgreSQL as its upload begins, for well past its lease, while recovery,
+    which still reaches the database, runs again and again: it takes the attempt over once the lease lapses, and
+    must settle it from its own look (the file, by sha256), never OutcomeUnknown for want of a renewal. Back, the
+    worker writes its evidence and its terminal write matches nothing."""
+    async with crash_world(db, store, client, tmp_path, upload_throttle_bytes_per_second=8000) as h, \
+            processes(h) as started, fault_proxy(db.server) as pg, recovery_only_worker(h) as recovery_queue:
+        await h.db.admin.execute("UPDATE destinations SET hash_evidence = 'read_back' WHERE id = $1",
+                                 h.destination_id)
+        outage, renamed = asyncio.Event(), asyncio.Event()
+
+        async def cut_on_first_write(path: str, offset: int) -> None:
+            if not outage.is_set():
+                outage.set()
+                pg.refuse_new_connections()
+                pg.cut_all()
+
+        async def note_rename(old: str, new: str) -> None:
+            renamed.set()
+
+        h.partner.hooks.on_write, h.partner.hooks.after_rename = cut_on_first_write, note_rename
+        worker = await WorkerProcess(h.settings, database_url=pg.url("exports_app", db.name)).start()
+        started.append(worker)
+        job_id = await h.create()
+        await asyncio.wait_for(renamed.wait(), timeout=BOUND)
+        recorded: list[str | None] = []
+        outage_ends = time.monotonic() + 5 * LEASE
+        while time.monotonic() < outage_ends:  # recovery every half lease, all through the outage
+            recorded += recorded_for(await recover_on(h, recovery_queue), job_id)
+            await asyncio.sleep(LEASE / 2)
+        assert recorded == ["ResolvedByRecovery"], recorded  # taken over once the lease lapsed, once
+        assert pg.refused >= 1
+        pg.accept_new_connections()
+        await eventually(lambda: asyncio.sleep(0, worker.log_path.read_text()),
+                         lambda text: "matched nothing" in text, timeout=BOUND, interval=0.2,
+                         what="the worker's terminal write, back from the outage")
+
+    row = await h.store.read_job(job_id)
+    assert (row.status, row.confirmed_by) == (Status.COMPLETED, "sha256"), row
+    resolved = await db.admin.fetchval("SELECT detail FROM export_attempt_events WHERE job_id = $1 "
+                                       "AND kind = 'ResolvedByRecovery'", job_id)
+    assert resolved.startswith("Completed: look") and "sha256" in resolved, resolved
+    # The baseline came before the outage; the rest of the worker's evidence, written after the database came
+    # back, is kept after recovery's look, without a holder (the attempt no longer held the row).
+    evidence = await db.admin.fetch("SELECT detail, worker_id FROM export_attempt_events WHERE job_id = $1 AND "
+                                    "kind = 'DeliveryEvidence' ORDER BY id", job_id)
+    steps = [(json.loads(e["detail"])["step"], e["worker_id"] is not None) for e in evidence]
+    assert steps == [("baseline", True), ("recovery_look", False), ("rename", False), ("receipt", False)], steps
+    assert "Finished" not in [e["kind"] for e in await events(db, job_id)]
 
 
 @contextlib.asynccontextmanager
