@@ -186,14 +186,16 @@ class DeliveryActivities(ExportActivitiesBase):
         before the first. The pause before it doubles from `delivery_retry_delay_seconds`."""
         if not result.retry_safe or number >= self.settings.delivery_tries:
             return False
-        if not await lease.confirm(within=self.settings.lease_seconds):
-            log.warning("export %s attempt %s: not tried again, its lease could not be confirmed", job_id, attempt_id)
-            return False
         pause = self.settings.delivery_retry_delay_seconds * 2 ** (number - 1)
         log.warning("export %s attempt %s: try %d of %d not delivered (%s); trying again in %g s", job_id,
                     attempt_id, number, self.settings.delivery_tries, result.summary, pause)
-        await record_evidence({"step": "retry", "try": number + 1, "after": result.summary, "pause": pause})
         await asyncio.sleep(pause)
+        # Confirmed after the pause, right before the try: a worker paused meanwhile must not upload for an
+        # attempt recovery has taken over.
+        if not await lease.confirm(within=self.settings.lease_seconds):
+            log.warning("export %s attempt %s: not tried again, its lease could not be confirmed", job_id, attempt_id)
+            return False
+        await record_evidence({"step": "retry", "try": number + 1, "after": result.summary, "pause": pause})
         return True
 
     async def _row_after(self, job_id: UUID) -> JobRow | None:
