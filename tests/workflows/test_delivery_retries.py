@@ -3,14 +3,19 @@ real PostgreSQL, Temporal and the local SFTP partner: the transfer is cut by clo
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+from contextlib import AsyncExitStack
 
 import pytest
 
+from activities.checkpoints import BEFORE_UPLOAD
 from store.models import FailureCode, Status
 from tests.helpers.events import events
 from tests.helpers.harness import Harness
+from tests.helpers.lease import Hold, lease_harness, open_proxy
+from tests.helpers.partner import outbound_names
 
 SETTLE = 60.0
 
@@ -76,3 +81,24 @@ async def test_a_transfer_cut_on_every_try_ends_not_delivered_after_the_bounded_
     assert list((h.partner.root / "incoming-tmp").iterdir()) == []
     steps = evidence_steps(await events(h.db, job_id), row.attempt_id)
     assert steps.count("retry") == tries - 1 and steps.count("fresh_listing") == tries, steps
+
+
+@pytest.mark.spec("LV1")
+async def test_database_connections_cut_as_the_delivery_begins_are_waited_out_not_outcome_unknown(
+        db, store, client, tmp_path):
+    """Cutoff 2 committed; every PostgreSQL connection of the worker is cut as the delivery step begins (pooled
+    ones included, so its first reads meet dead connections). Nothing was uploaded yet: the step reads again on
+    fresh connections and delivers, Completed in its one attempt, never OutcomeUnknown."""
+    async with AsyncExitStack() as stack:
+        proxy = await open_proxy(stack, db)
+        hold = Hold(BEFORE_UPLOAD)
+        h = await lease_harness(stack, db, store, client, tmp_path, hold=hold, proxy=proxy)
+        job_id = await h.create()
+        await asyncio.wait_for(hold.held.wait(), SETTLE)
+        live = len(proxy._conns)
+        proxy.cut_all()
+        hold.release.set()
+        row = await h.settled(job_id)
+    assert live > 0  # the fault was injected: live connections were cut
+    assert (row.status, row.attempt_count) == (Status.COMPLETED, 1), row
+    assert outbound_names(h.partner) == [row.final_name]
