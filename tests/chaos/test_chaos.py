@@ -1161,7 +1161,7 @@ def summary(c: Chaos, rows: dict[uuid.UUID, dict[str, Any]], requests: list[dict
 
 
 @pytest.mark.chaos
-@pytest.mark.spec("CH1")
+@pytest.mark.spec("CH1", "LV8")
 @pytest.mark.timeout(300 if PROFILE is PROFILES["ci"] else 3600)
 async def test_chaos__kills_cancels_and_recovery_keep_every_invariant(db, store, tmp_path, request):
     seed = int(os.environ.get("EXPORTS_CHAOS_SEED") or random.SystemRandom().randrange(1, 10**6))

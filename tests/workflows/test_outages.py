@@ -101,6 +101,25 @@ async def test_a_worker_started_while_postgresql_and_temporal_are_away_waits_and
         assert "Traceback" not in start and start.count("trying again in") >= 2
 
 
+async def postgres_away_from_the_first_write(h, pg) -> tuple[asyncio.Event, asyncio.Event]:
+    """A read-back contract, and the worker's PostgreSQL (through `pg`) gone from the upload's first write on: the
+    outage's start, and the rename's."""
+    await h.db.admin.execute("UPDATE destinations SET hash_evidence = 'read_back' WHERE id = $1", h.destination_id)
+    outage, renamed = asyncio.Event(), asyncio.Event()
+
+    async def cut_on_first_write(path: str, offset: int) -> None:
+        if not outage.is_set():
+            outage.set()
+            pg.refuse_new_connections()
+            pg.cut_all()
+
+    async def note_rename(old: str, new: str) -> None:
+        renamed.set()
+
+    h.partner.hooks.on_write, h.partner.hooks.after_rename = cut_on_first_write, note_rename
+    return outage, renamed
+
+
 @pytest.mark.spec("OU3")
 async def test_an_upload_that_finishes_during_a_postgresql_outage_is_recorded_with_its_evidence_afterwards(
         db, store, client, tmp_path):
@@ -109,20 +128,7 @@ async def test_an_upload_that_finishes_during_a_postgresql_outage_is_recorded_wi
     the attempt itself (no recovery runs here)."""
     async with crash_world(db, store, client, tmp_path, upload_throttle_bytes_per_second=8000) as h, \
             processes(h) as started, fault_proxy(db.server) as pg:
-        await h.db.admin.execute("UPDATE destinations SET hash_evidence = 'read_back' WHERE id = $1",
-                                 h.destination_id)
-        outage, renamed = asyncio.Event(), asyncio.Event()
-
-        async def cut_on_first_write(path: str, offset: int) -> None:
-            if not outage.is_set():
-                outage.set()
-                pg.refuse_new_connections()
-                pg.cut_all()
-
-        async def note_rename(old: str, new: str) -> None:
-            renamed.set()
-
-        h.partner.hooks.on_write, h.partner.hooks.after_rename = cut_on_first_write, note_rename
+        outage, renamed = await postgres_away_from_the_first_write(h, pg)
         worker = await WorkerProcess(h.settings, database_url=pg.url("exports_app", db.name)).start()
         started.append(worker)
         job_id = await h.create()
@@ -155,20 +161,7 @@ async def test_an_outage_past_the_lease_with_recovery_running_ends_a_delivered_f
     worker writes its evidence and its terminal write matches nothing."""
     async with crash_world(db, store, client, tmp_path, upload_throttle_bytes_per_second=8000) as h, \
             processes(h) as started, fault_proxy(db.server) as pg, recovery_only_worker(h) as recovery_queue:
-        await h.db.admin.execute("UPDATE destinations SET hash_evidence = 'read_back' WHERE id = $1",
-                                 h.destination_id)
-        outage, renamed = asyncio.Event(), asyncio.Event()
-
-        async def cut_on_first_write(path: str, offset: int) -> None:
-            if not outage.is_set():
-                outage.set()
-                pg.refuse_new_connections()
-                pg.cut_all()
-
-        async def note_rename(old: str, new: str) -> None:
-            renamed.set()
-
-        h.partner.hooks.on_write, h.partner.hooks.after_rename = cut_on_first_write, note_rename
+        outage, renamed = await postgres_away_from_the_first_write(h, pg)
         worker = await WorkerProcess(h.settings, database_url=pg.url("exports_app", db.name)).start()
         started.append(worker)
         job_id = await h.create()
