@@ -20,7 +20,7 @@ from starter.localstack.ports import free_port
 from store.models import Status
 from store.settings import get_settings
 from tests.helpers.harness import Harness
-from tests.helpers.openssh_partner import OpenSshPartner, require_sshd
+from tests.helpers.openssh_partner import OpenSshPartner
 from tests.helpers.support import Ran, exports_command
 from workflows.identity import export_workflow_id
 
@@ -278,16 +278,6 @@ async def test_add__only_the_owner_may_write_destinations(db, env, partner):
 
 
 # --- LV3: the evidence the contract names, asked of the partner (OpenSSH's sshd and sftp-server) -------------
-
-
-@pytest.fixture
-async def openssh(tmp_path):
-    require_sshd()
-    server = await OpenSshPartner(tmp_path / "openssh").start()
-    try:
-        yield server
-    finally:
-        await server.stop()
 
 
 def openssh_options(server: OpenSshPartner, tenant: uuid.UUID, **overrides: str) -> list[str]:

@@ -13,19 +13,9 @@ from activities.sftp_check_file import check_file_sha256
 from starter.localstack.seed import seed_destination
 from store.models import FailureCode, Status
 from tests.helpers.harness import Harness
-from tests.helpers.openssh_partner import OpenSshPartner, require_sshd
+from tests.helpers.openssh_partner import OpenSshPartner
 from tests.helpers.store_states import drive
 from tests.helpers.support import delivery_evidence
-
-
-@pytest.fixture
-async def openssh(tmp_path):
-    require_sshd()
-    server = await OpenSshPartner(tmp_path / "openssh").start()
-    try:
-        yield server
-    finally:
-        await server.stop()
 
 
 async def openssh_destination(h: Harness, server: OpenSshPartner, **contract: object) -> uuid.UUID:

@@ -25,17 +25,16 @@ Revises: 0007
 
 from __future__ import annotations
 
-from typing import cast
-
-from alembic import context, op
-from sqlalchemy.engine.interfaces import AdaptedConnection
+from alembic import op
 
 revision = "0008"
 down_revision = "0007"
 branch_labels = None
 depends_on = None
 
-STAMP = """
+# One statement each: `op.execute` sends them one at a time, as asyncpg prepares them (no script runner needed).
+UPGRADE = (
+    """
 CREATE FUNCTION exports_evidence_holder() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF NEW.kind = 'DeliveryEvidence' THEN
@@ -44,35 +43,30 @@ BEGIN
                             AND j.claimed_by = NEW.worker_id);
     END IF;
     RETURN NEW;
-END $$;
-
+END $$""",
+    """
 CREATE TRIGGER t_evidence_holder BEFORE INSERT ON export_attempt_events
-    FOR EACH ROW EXECUTE FUNCTION exports_evidence_holder();
-
--- Policies are checked after BEFORE triggers: the reconciler's evidence can never carry a holder.
+    FOR EACH ROW EXECUTE FUNCTION exports_evidence_holder()""",
+    # Policies are checked after BEFORE triggers: the reconciler's evidence can never carry a holder.
+    """
 ALTER POLICY p_events_reconciler ON export_attempt_events
-    WITH CHECK (kind IN ('Corrected', 'Reconciled') OR (kind = 'DeliveryEvidence' AND worker_id IS NULL));
-"""
+    WITH CHECK (kind IN ('Corrected', 'Reconciled') OR (kind = 'DeliveryEvidence' AND worker_id IS NULL))""",
+)
 
-
-def _script(sql: str) -> None:
-    """A multi-statement script through the simple query protocol (asyncpg prepares one statement at a time);
-    written out as it is offline (`exports migrate --sql`)."""
-    if context.is_offline_mode():
-        op.execute(sql)
-        return
-    adapted = cast(AdaptedConnection, op.get_bind().connection.dbapi_connection)
-    adapted.run_async(lambda conn: conn.execute(sql))
+DOWNGRADE = (
+    """
+ALTER POLICY p_events_reconciler ON export_attempt_events
+    WITH CHECK (kind IN ('Corrected', 'Reconciled', 'DeliveryEvidence'))""",
+    "DROP TRIGGER t_evidence_holder ON export_attempt_events",
+    "DROP FUNCTION exports_evidence_holder()",
+)
 
 
 def upgrade() -> None:
-    _script(STAMP)
+    for sql in UPGRADE:
+        op.execute(sql)
 
 
 def downgrade() -> None:
-    _script("""
-        ALTER POLICY p_events_reconciler ON export_attempt_events
-            WITH CHECK (kind IN ('Corrected', 'Reconciled', 'DeliveryEvidence'));
-        DROP TRIGGER t_evidence_holder ON export_attempt_events;
-        DROP FUNCTION exports_evidence_holder();
-    """)
+    for sql in DOWNGRADE:
+        op.execute(sql)
