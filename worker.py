@@ -43,19 +43,24 @@ from activities.process.temporal import (
 from activities.recovery import RecoveryActivities
 from starter import preflight
 from store import errors
-from store.db import asyncpg_dsn, make_engine
+from store.db import Bounds, asyncpg_dsn, make_engine
 from store.jobs import JobStore
 from store.outbox import Outbox
 from store.recovery import Recovery
 from store.settings import Settings, get_settings
 from workflows import patches
 from workflows.export import ExportWorkflow
-from workflows.recovery import PartnerSweepWorkflow, RecoveryWorkflow, SweeperWorkflow
+from workflows.recovery import (
+    EvidenceFollowUpWorkflow,
+    PartnerSweepWorkflow,
+    RecoveryWorkflow,
+    SweeperWorkflow,
+)
 
 log = logging.getLogger("exports.worker")
 
 # What the worker runs and how: the replay test (tests/replay) replays recorded histories with the same.
-WORKFLOWS = [ExportWorkflow, RecoveryWorkflow, SweeperWorkflow, PartnerSweepWorkflow]
+WORKFLOWS = [ExportWorkflow, RecoveryWorkflow, SweeperWorkflow, PartnerSweepWorkflow, EvidenceFollowUpWorkflow]
 
 
 def workflow_interceptors() -> list[ClassifyStoreErrors]:
@@ -84,7 +89,7 @@ async def running_worker(
     when given, is kept up to date for the probes."""
     health = health if health is not None else endpoint.Health()
     engine = make_engine(settings.database_url, pool_size=settings.database_pool_size,
-                         max_overflow=settings.database_max_overflow)
+                         max_overflow=settings.database_max_overflow, bounds=Bounds.of(settings))
     store = JobStore(
         engine,
         lease_seconds=settings.lease_seconds,
@@ -112,6 +117,9 @@ async def running_worker(
         client,
         task_queue=settings.task_queue,
         workflows=WORKFLOWS,
+        # A run cached on a worker that died waits this long on that worker's sticky queue before any worker takes
+        # its next task: part of how soon a killed worker's build resumes elsewhere (LV6).
+        sticky_queue_schedule_to_start_timeout=timedelta(seconds=settings.sticky_queue_timeout_seconds),
         # A patch this release only understands is replayed where recorded, never written (workflows/patches.py).
         patch_activation_callback=patches.activates,
         activities=activities.all() + recovery.all(),
@@ -130,13 +138,15 @@ async def running_worker(
             if with_dispatcher:
                 dispatcher_engine = make_engine(settings.dispatcher_database_url,
                                                 pool_size=settings.dispatcher_pool_size,
-                                                max_overflow=settings.dispatcher_max_overflow)
+                                                max_overflow=settings.dispatcher_max_overflow,
+                                                bounds=Bounds.of(settings))
                 dispatcher = OutboxDispatcher(
                     client,
                     Outbox(dispatcher_engine, lock_idle_seconds=settings.dispatcher_lock_idle_seconds),
                     asyncpg_dsn(settings.dispatcher_database_url),
                     task_queue=settings.task_queue,
                     poll_seconds=settings.dispatcher_poll_seconds,
+                    bounds=Bounds.of(settings),
                 )
                 dispatcher_task = asyncio.create_task(dispatcher.run(stop), name="outbox-dispatcher")
                 dispatcher_task.add_done_callback(lambda task: None if stop.is_set() else _dispatcher_died(task))

@@ -25,7 +25,7 @@ from activities.patience import retry_patiently, run_to_end
 from activities.process import metrics
 from activities.stop_watch import StopWatch
 from store import errors
-from store.db import asyncpg_dsn
+from store.db import Bounds, asyncpg_dsn
 from store.models import BuiltFile, FailureCode, JobRow
 
 log = logging.getLogger(__name__)
@@ -67,9 +67,16 @@ class BuildActivities(ExportActivitiesBase):
         progress = {"bytes": 0}
         build_task = asyncio.current_task()
         lost = asyncio.Event()
+        lapsing = asyncio.Event()
 
         def on_lost() -> None:
             lost.set()
+            if build_task is not None:
+                build_task.cancel()
+
+        def on_lapsing() -> None:
+            # No renewal answered and the lease is about to lapse: stop while the attempt is still this build's.
+            lapsing.set()
             if build_task is not None:
                 build_task.cancel()
 
@@ -92,9 +99,10 @@ class BuildActivities(ExportActivitiesBase):
         reused = self._take_finished_build(job.id, attempt_id, path) if request.resumption else False
         if reused:
             detail += ", with the file an earlier build of it finished on this worker"
+        leased_at = asyncio.get_running_loop().time()  # build_start sets the lease, at the server, after this
         if not await self.store.start_build(job.id, attempt_id, holder, detail):
             return BuildOutput(ended="LostOwnership")  # write nothing: another attempt owns the row now
-        lease = self._keeper(job.id, attempt_id, holder, on_lost)
+        lease = self._keeper(job.id, attempt_id, holder, on_lost, on_lapsing=on_lapsing, leased_at=leased_at)
         handed_over = False
         shutdown_watch = asyncio.create_task(hand_back_on_shutdown())
         try:
@@ -107,7 +115,8 @@ class BuildActivities(ExportActivitiesBase):
                     return BuildOutput(ended=code.value)
                 try:
                     async with StopWatch(self.store, asyncpg_dsn(self.settings.database_url), job.id, attempt_id,
-                                         metrics.timed_stop(job.id, attempt_id, on_stop)):
+                                         metrics.timed_stop(job.id, attempt_id, on_stop),
+                                         Bounds.of(self.settings)):
                         if reused and path.exists():
                             size, sha256_hex = await asyncio.to_thread(size_and_sha256, path)
                             log.info("export %s attempt %s: delivering the file an earlier build finished (%d "
@@ -119,8 +128,8 @@ class BuildActivities(ExportActivitiesBase):
                 except asyncio.CancelledError:
                     # The stop watcher and the workflow's cancel of this activity may both fire: the second cancel
                     # must not cut off the stop's write halfway, so the write runs to its end.
-                    ended = await run_to_end(self._after_build_cancelled(lease, lost, job.id, attempt_id, holder,
-                                                                         shutting_down.is_set()))
+                    ended = await run_to_end(self._after_build_cancelled(lease, lost, lapsing, job.id, attempt_id,
+                                                                         holder, shutting_down.is_set()))
                     if ended is None:
                         raise
                     return ended
@@ -138,11 +147,13 @@ class BuildActivities(ExportActivitiesBase):
                 worker_task_queue=self.worker_task_queue,
             )
         except asyncio.CancelledError:
-            if not shutting_down.is_set():
+            if not (shutting_down.is_set() or lapsing.is_set()):
                 raise
-            # The shutdown came before the build itself began (in the preparation): hand the attempt back too.
-            ended = await run_to_end(self._after_build_cancelled(lease, lost, job.id, attempt_id, holder, True))
-            assert ended is not None  # shutting down, it always ends: Stopped, LostOwnership or HandedBack
+            # The shutdown (hand the attempt back too), or a lease about to lapse, came before the build itself
+            # began (in the preparation).
+            ended = await run_to_end(self._after_build_cancelled(lease, lost, lapsing, job.id, attempt_id, holder,
+                                                                 shutting_down.is_set()))
+            assert ended is not None  # it always ends so: Stopped, LostOwnership, LeaseLapsing or HandedBack
             return ended
         finally:
             shutdown_watch.cancel()
@@ -152,7 +163,7 @@ class BuildActivities(ExportActivitiesBase):
     async def _build_with_room(self, job: JobRow, attempt_id: UUID, path: Path,
                                progress: dict[str, int]) -> tuple[int, str]:
         """The build, tried again while the disk is full (backing off to 30 s) for at most
-        `disk_full_patience_seconds`; any other failure at once."""
+        `disk_full_patience_seconds`, and while PostgreSQL is away for about a lease; any other failure at once."""
 
         async def build() -> tuple[int, str]:
             progress.update(bytes=0)
@@ -160,10 +171,19 @@ class BuildActivities(ExportActivitiesBase):
                 asyncpg_dsn(self.settings.database_url), job.tenant_id, path,
                 on_progress=lambda size: progress.update(bytes=size),
                 throttle_bytes_per_second=self.settings.build_throttle_bytes_per_second,
+                bounds=Bounds.of(self.settings),
             )
 
+        async def build_through_blips() -> tuple[int, str]:
+            # A transient fault is no reason to fail the export: tried again for about a lease, while the keeper
+            # renews it (or ends the build if the attempt is lost meanwhile).
+            return await retry_patiently(
+                build, retryable=lambda exc: isinstance(exc, BuildError) and exc.database_away,
+                patience=self.settings.lease_seconds, first_delay=0.5, max_delay=5.0,
+                what=f"build of {job.id} attempt {attempt_id}: PostgreSQL away")
+
         return await retry_patiently(
-            build, retryable=lambda exc: isinstance(exc, BuildError) and exc.disk_full,
+            build_through_blips, retryable=lambda exc: isinstance(exc, BuildError) and exc.disk_full,
             patience=self.settings.disk_full_patience_seconds, first_delay=1.0, max_delay=30.0,
             what=f"build of {job.id} attempt {attempt_id} in {path.parent}")
 
@@ -185,13 +205,19 @@ class BuildActivities(ExportActivitiesBase):
         return False
 
     async def _after_build_cancelled(
-        self, lease: LeaseKeeper, lost: asyncio.Event, job_id: UUID, attempt_id: UUID, holder: str,
-        shutting_down: bool,
+        self, lease: LeaseKeeper, lost: asyncio.Event, lapsing: asyncio.Event, job_id: UUID, attempt_id: UUID,
+        holder: str, shutting_down: bool,
     ) -> BuildOutput | None:
         await self.checkpoints.reached(checkpoints.BUILD_CANCELLED, job_id)
         await lease.finish()
         if lost.is_set():
             return BuildOutput(ended="LostOwnership")
+        if lapsing.is_set():
+            # PostgreSQL did not answer: nothing to write there now. The lease lapses and recovery takes the
+            # attempt over, as after a lost worker.
+            log.warning("build of %s attempt %s stopped: its lease was about to lapse unrenewed", job_id,
+                        attempt_id)
+            return BuildOutput(ended="LeaseLapsing")
         # A stop request, a terminated workflow or a shutdown: only a recorded stop request is a Stop, and only
         # this attempt's; anything else leaves the row for recovery, or, for a shutdown, for the workflow to
         # resume the build elsewhere at once (HandedBack), its lease ended so that nothing waits it out.

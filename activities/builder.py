@@ -13,11 +13,15 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import BinaryIO
 from uuid import UUID
 
 import asyncpg
+
+from store import errors
+from store.db import Bounds, connect_raw
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,15 @@ class BuildError(Exception):
                 return True
             cause = cause.__cause__ or cause.__context__
         return False
+
+    @property
+    def database_away(self) -> bool:
+        """PostgreSQL went away mid-build (a cut connection, a restart, a timeout): another try may succeed. Not a
+        local file's error (an OSError that is no connection's), nor the server's answer to the query."""
+        cause = self.__cause__
+        if cause is None or (isinstance(cause, OSError) and not isinstance(cause, (ConnectionError, TimeoutError))):
+            return False
+        return isinstance(cause, asyncpg.ConnectionDoesNotExistError) or errors.is_transient(cause)
 
 
 class _HashingSink:
@@ -76,6 +89,7 @@ async def build_contacts_csv(
     *,
     on_progress: Callable[[int], None] = lambda size: None,
     throttle_bytes_per_second: int = 0,
+    bounds: Bounds | None = None,
 ) -> tuple[int, str]:
     """Write the tenant's contacts to `path`; returns (bytes, sha256 hex). The file is written under
     `partial_path(path)` and renamed to `path` once whole and synced, so a file under `path` is always a finished
@@ -85,7 +99,8 @@ async def build_contacts_csv(
     conn: asyncpg.Connection | None = None
     finished = False
     try:
-        conn = await asyncpg.connect(dsn)
+        # No statement bound: a COPY may rightly run long. Keepalives see a silent server.
+        conn = await connect_raw(dsn, replace(bounds or Bounds.defaults(), statement_seconds=None))
         with open(partial, "wb") as handle:
             sink = _HashingSink(handle, on_progress, throttle_bytes_per_second)
             await conn.copy_from_query(CONTACTS_QUERY, tenant_id, output=sink, format="csv", header=True)

@@ -142,8 +142,9 @@ class BuildOutput(BaseModel):
     # The worker that holds the file: cutoff 2 and the delivery run on its task queue.
     worker_task_queue: str | None = None
     # Why there is no file, when there is none: Stopped, BuildFailed, LostOwnership, HandedBack (a worker
-    # shutting down gave it back; the workflow resumes it elsewhere), or StartedLate (a task Temporal had already
-    # timed out, which changed nothing).
+    # shutting down gave it back; the workflow resumes it elsewhere), StartedLate (a task Temporal had already
+    # timed out, which changed nothing), or LeaseLapsing (no renewal answered: stopped before the lease lapsed,
+    # for recovery to take the attempt over).
     ended: str | None = None
 
 
@@ -224,3 +225,31 @@ class PartnerSweepOutput(BaseModel):
 class SweepInput(BaseModel):
     threshold_seconds: float = Field(gt=0)
     batch: int = Field(default=500, ge=1)
+
+
+class FollowUpInput(BaseModel):
+    """One run of the evidence follow-up (LV2). Fields added later need defaults: schedules hold this input."""
+
+    limit: int = Field(default=50, ge=1, le=1000)  # exports looked at per run
+    window_seconds: float = Field(default=86400.0, gt=0)  # how long after becoming OutcomeUnknown one is looked at
+
+
+class FollowUpCandidate(BaseModel):
+    job_id: UUID
+    tenant_id: UUID
+    destination_id: UUID
+    attempt_id: UUID
+    looks: int = 0  # looks before this one
+
+
+class FollowUpOutput(BaseModel):
+    job_id: UUID
+    # Completed (settled by proof), OutcomeUnknown (looked, not settled), Skipped (moved on), Failed (no look)
+    concluded: str
+    finding: str = ""
+
+
+class FollowUpReport(BaseModel):
+    looked: int
+    confirmed: int
+    outputs: list[FollowUpOutput]

@@ -131,13 +131,21 @@ class DeliveryActivities(ExportActivitiesBase):
                     log.warning("export %s attempt %s: %s", job.id, attempt_id, summary)
                     await record_evidence({"step": "not_uploaded", "why": summary})
                     return DeliverOutput(summary=summary, written=False)
-                destination = await self.store.read_destination(job.tenant_id, job.destination_id)
+                async def read_for_upload() -> tuple[dict[str, Any] | None, Replacement | None]:
+                    destination = await self.store.read_destination(job.tenant_id, job.destination_id)
+                    return destination, (await self._replacement(job) if destination is not None else None)
+
+                # Nothing is sent yet: a read lost to a blip is read again (the keeper renews meanwhile), rather
+                # than leave an authorized attempt that never uploaded for recovery to call OutcomeUnknown.
+                destination, replacement = await retry_patiently(
+                    read_for_upload, retryable=errors.is_transient, patience=self.settings.lease_seconds / 2,
+                    first_delay=0.5, max_delay=2.0, what=f"the upload of {job.id} attempt {attempt_id} reads")
                 if destination is None:
                     result = DeliveryResult(
                         outcome="Failed", failure_reason="NotDelivered", summary="destination vanished before upload"
                     )
                 else:
-                    config, replacement = DestinationConfig.from_row(destination), await self._replacement(job)
+                    config = DestinationConfig.from_row(destination)
                     for number in range(1, self.settings.delivery_tries + 1):
                         result = await metrics.timed_delivery(job.destination_id, file.size, partner_delivery.deliver(
                             config,

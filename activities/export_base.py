@@ -92,16 +92,18 @@ class ExportActivitiesBase:
         self.keepers: dict[tuple[UUID, UUID], LeaseKeeper] = {}
 
     def _keeper(self, job_id: UUID, attempt_id: UUID, holder: str | None,
-                on_lost: Callable[[], None] = lambda: None) -> LeaseKeeper:
+                on_lost: Callable[[], None] = lambda: None, *, on_lapsing: Callable[[], None] = lambda: None,
+                leased_at: float | None = None) -> LeaseKeeper:
         """The attempt's lease keeper on this worker, adopted by the current step: the one the previous step handed
-        over, or a new one (the first step, or one whose keeper gave up waiting)."""
+        over, or a new one (the first step, or one whose keeper gave up waiting), told when its lease was last set
+        (`leased_at`, the event loop's clock) if that is known."""
         key = (job_id, attempt_id)
         keeper = self.keepers.get(key)
         if keeper is None or keeper.done or keeper.holder != holder:
             keeper = LeaseKeeper(self.store, job_id, attempt_id, holder, renew_every=self.settings.renew_every_seconds,
-                                 on_done=lambda done: self._forget(key, done)).start()
+                                 on_done=lambda done: self._forget(key, done), leased_at=leased_at).start()
             self.keepers[key] = keeper
-        keeper.adopt(on_lost)
+        keeper.adopt(on_lost, on_lapsing)
         _adopted.set(keeper)
         return keeper
 

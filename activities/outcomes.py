@@ -123,6 +123,28 @@ def after_rename(look: FinalLook, *, final_name: str, expected_bytes: int, expec
     return Verdict("Completed", f"uploaded {final_name}, {expected_bytes} bytes, confirmed by size", "size")
 
 
+def follow_up_verdict(look: FinalLook, *, final_name: str, expected_sha256: str | None) -> Verdict:
+    """What the evidence follow-up may conclude from one look: Completed only on proof of content (the SHA-256 read
+    back, or the partner's acknowledgment, is the expected file's). Absence and size settle nothing: a partner may
+    have taken the file, and bytes of the right length may be others."""
+    if expected_sha256 is None:
+        return Verdict("OutcomeUnknown", "no expected SHA-256 was recorded: nothing can prove the content")
+    if look.sha256 == expected_sha256:
+        return Verdict("Completed", f"{final_name} read back: sha256 {expected_sha256} is the expected file's",
+                       "sha256")
+    if look.acknowledged_sha256 == expected_sha256:
+        return Verdict("Completed", f"the partner's acknowledgment of {final_name} names sha256 {expected_sha256}, "
+                                    "the expected file's", "acknowledgment")
+    found = (f"{final_name} holds {look.size} bytes" if look.exists else f"{final_name} is absent")
+    if look.sha256 is not None:
+        found += f" whose sha256 is {look.sha256}, not the expected file's"
+    if look.acknowledged_sha256 is not None:
+        found += f"; its acknowledgment names {look.acknowledged_sha256[:64]}, not the expected file"
+    if look.sha256_error:
+        found += f"; {look.sha256_error}"
+    return Verdict("OutcomeUnknown", f"not settled: {found}")
+
+
 def receipt_look(final: RemoteFile, sha256: str | None, sha256_error: str | None,
                  acknowledged_sha256: str | None) -> FinalLook:
     return FinalLook(exists=final.exists, size=final.size, sha256=sha256, sha256_error=sha256_error,

@@ -100,6 +100,11 @@ async def _lacks_pinned_key_type(dest: DestinationConfig, pinned: asyncssh.SSHKe
     return True
 
 
+# SSH keepalives (asyncssh's are off by default): a partner that goes silent (packets dropped, no reset) is given up
+# on after this many unanswered keepalives, one each `connect_timeout / (KEEPALIVE_COUNT_MAX + 1)` of silence: within
+# `connect_timeout` in all, not at the end of a request's own bound (up to a minute) or never between requests.
+KEEPALIVE_COUNT_MAX = 3
+
 # asyncssh's own ciphers, AES-GCM first: the client's order decides, and on a CPU with AES instructions AES-GCM
 # moves about twice the bytes of ChaCha20-Poly1305 per second of CPU. Nothing is added or dropped.
 CIPHERS = sorted((alg.decode() for alg in get_default_encryption_algs()), key=lambda alg: "-gcm@" not in alg)
@@ -112,7 +117,9 @@ async def connect(
     """An SFTP session with the partner, whose host key must be exactly `dest.host_key`.
 
     Raises HostKeyMismatch for any other key, ValueError for a bad credential_ref or host_key, asyncssh.Error
-    or OSError (including TimeoutError) when the server cannot be reached within `connect_timeout`.
+    or OSError (including TimeoutError) when the server cannot be reached within `connect_timeout`. Once
+    connected, a server silent for `connect_timeout` (keepalives unanswered) ends the session: asyncssh's
+    ConnectionLost.
     """
     client_key = load_client_key(dest.credential_ref)
     pinned = _pinned_host_key(dest.host_key)
@@ -135,6 +142,8 @@ async def connect(
             preferred_auth="publickey",
             encryption_algs=CIPHERS,
             connect_timeout=connect_timeout,
+            keepalive_interval=connect_timeout / (KEEPALIVE_COUNT_MAX + 1),
+            keepalive_count_max=KEEPALIVE_COUNT_MAX,
         )
     except asyncssh.HostKeyNotVerifiable as exc:
         raise HostKeyMismatch(

@@ -73,6 +73,31 @@ async def look_at_final(dest: DestinationConfig, final_name: str, *, timeout: fl
                                       acknowledged_sha256=acknowledged)
 
 
+async def follow_up_look(dest: DestinationConfig, final_name: str, *, timeout: float = 10.0,
+                         read_timeout: float = 120.0) -> outcomes.FinalLook:
+    """The evidence follow-up's look: the final name's listing, its SHA-256 read back whatever the contract offers
+    (reading is what every SFTP server allows), and the partner's acknowledgment, which may outlive the file (a
+    partner that took it). A hash or acknowledgment that cannot be had is recorded, not raised."""
+    final_path = posixpath.join(dest.final_dir, final_name)
+    async with asyncio.timeout(timeout * 3 + read_timeout):
+        async with connect(dest, connect_timeout=timeout) as sftp:
+            final = await list_file(sftp, final_path)
+            sha256 = acknowledged = None
+            problems = []
+            if final.exists:
+                try:
+                    sha256 = await read_back_sha256(sftp, final_path, read_timeout)
+                except (asyncssh.Error, OSError, TimeoutError) as exc:
+                    problems.append(f"read back: {outcomes.describe(exc)}")
+            try:
+                acknowledged = await acknowledged_sha256(sftp, dest, final_name, timeout)
+            except (asyncssh.Error, OSError, TimeoutError, UnicodeError) as exc:
+                problems.append(f"acknowledgment: {outcomes.describe(exc)}")
+            return outcomes.FinalLook(exists=final.exists, size=final.size if final.exists else None,
+                                      sha256=sha256, sha256_error="; ".join(problems) or None,
+                                      acknowledged_sha256=acknowledged)
+
+
 async def content_sha256(sftp: asyncssh.SFTPClient, dest: DestinationConfig, path: str,
                          operation_timeout: float) -> str | None:
     """The SHA-256 (hex) of the partner's file, by the means its contract offers; None where it offers none."""
@@ -80,14 +105,19 @@ async def content_sha256(sftp: asyncssh.SFTPClient, dest: DestinationConfig, pat
         async with within(operation_timeout):
             return await check_file_sha256(sftp, path)
     if dest.contract.hash_evidence == "read_back":
-        digest = hashlib.sha256()
-        async with within(operation_timeout):
-            async with sftp.open(path, "rb") as remote:
-                while chunk := await remote.read(256 * 1024):
-                    # asyncssh types read() as an unbound AnyStr (str); a file opened "rb" reads bytes.
-                    digest.update(chunk)  # type: ignore[arg-type]
-        return digest.hexdigest()
+        return await read_back_sha256(sftp, path, operation_timeout)
     return None
+
+
+async def read_back_sha256(sftp: asyncssh.SFTPClient, path: str, timeout: float) -> str:
+    """The SHA-256 (hex) of the partner's file, read back whole within `timeout`."""
+    digest = hashlib.sha256()
+    async with within(timeout):
+        async with sftp.open(path, "rb") as remote:
+            while chunk := await remote.read(256 * 1024):
+                # asyncssh types read() as an unbound AnyStr (str); a file opened "rb" reads bytes.
+                digest.update(chunk)  # type: ignore[arg-type]
+    return digest.hexdigest()
 
 
 async def acknowledged_sha256(sftp: asyncssh.SFTPClient, dest: DestinationConfig, final_name: str,

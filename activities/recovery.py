@@ -3,6 +3,7 @@ statement, resolve Delivering attempts from destination evidence, and tell the e
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import math
@@ -13,11 +14,15 @@ from typing import Any, cast
 
 from temporalio import activity
 from temporalio.client import Client
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
-from activities import evidence
+from activities import evidence, outcomes
 from activities.contracts import (
     Candidate,
     DestinationRef,
+    FollowUpCandidate,
+    FollowUpInput,
+    FollowUpOutput,
     PartnerSweepOutput,
     RecoveryInput,
     SweepInput,
@@ -27,9 +32,10 @@ from activities.destination import DestinationConfig, PartnerContract
 from activities.export_base import activity_methods
 from activities.outcomes import FinalLook
 from activities.partner_delivery import sweep_temp_files
-from activities.partner_files import look_at_final
+from activities.partner_files import follow_up_look, look_at_final
 from activities.process import metrics
 from store import errors
+from store.follow_up import FollowUp
 from store.jobs import JobStore
 from store.models import JobRow, Status
 from store.recovery import RESOLVED, Recovery
@@ -41,6 +47,16 @@ log = logging.getLogger(__name__)
 # A recovery run's rounds nominate one after another: its look for runs that closed early is made once.
 _VIEW_CHECK_GAP_SECONDS = 1.0
 
+# A step of recovery, the sweeper or the partner sweep on a worker that PostgreSQL does not answer fails within this
+# bound, and its retry goes to whichever worker polls first (workflows/recovery.py): none waits on a cut-off worker.
+ANSWER_WITHIN_SECONDS = 2.0
+# From then on the worker leaves those steps to others at once (a retry that comes back to it costs a backoff, not
+# another bound), and asks PostgreSQL again this often until it answers, for at most PROBE_FOR_SECONDS: after that
+# the next step asks for itself.
+PROBE_EVERY_SECONDS = 1.0
+PROBE_FOR_SECONDS = 60.0
+DATABASE_UNANSWERED = "DatabaseUnanswered"
+
 
 class RecoveryActivities:
     def __init__(self, store: JobStore, recovery: Recovery, *, client: Client | None = None,
@@ -50,12 +66,62 @@ class RecoveryActivities:
         self._client = client
         self.view_window_seconds = view_window_seconds
         self._views_checked_at = -math.inf
+        self._unanswered: str | None = None  # why PostgreSQL does not answer this worker, while it does not
+        self._probe: asyncio.Task[None] | None = None
+        self.follow_ups = FollowUp(recovery.engine)
 
     def all(self) -> list[Any]:
         return activity_methods(self)
 
+    async def _able_to_act(self) -> None:
+        """Returns when PostgreSQL answers this worker; else fails the step at once, to be tried again by any
+        worker. The step's last try says that its run could not act."""
+        why = self._unanswered
+        if why is None:
+            why = await self._unanswered_why()
+            if why is None:
+                return
+            if self._unanswered is None:  # not already found by a step alongside this one
+                self._unanswered = why
+                log.warning("%s: this worker leaves recovery's steps to other workers until it answers", why)
+                self._probe = asyncio.create_task(self._probe_until_answered(), name="recovery-database-probe")
+        info = activity.info()
+        worker = (self._client or activity.client()).identity
+        message = f"{info.activity_type} on worker {worker}: {why}; left to another worker"
+        policy = info.retry_policy
+        if policy is not None and policy.maximum_attempts and info.attempt >= policy.maximum_attempts:
+            log.error("%s %s could not act: %s, at its last try (%d)", info.workflow_type, info.workflow_id,
+                      message, info.attempt)
+            raise ApplicationError(message, type=DATABASE_UNANSWERED)
+        log.info("%s (try %d of %s)", message, info.attempt, info.workflow_id)
+        # Benign: the SDK logs it at debug only, and counts no failure; the run goes on.
+        raise ApplicationError(message, type=DATABASE_UNANSWERED, category=ApplicationErrorCategory.BENIGN)
+
+    async def _unanswered_why(self) -> str | None:
+        """None when PostgreSQL answers this worker within the bound; else why not, in a few words."""
+        try:
+            async with asyncio.timeout(ANSWER_WITHIN_SECONDS):
+                await self.recovery.ping()
+        except TimeoutError:
+            return f"PostgreSQL did not answer within {ANSWER_WITHIN_SECONDS:g} s"
+        except Exception as exc:
+            return f"PostgreSQL could not be reached: {errors.describe(exc)}"
+        return None
+
+    async def _probe_until_answered(self) -> None:
+        deadline = time.monotonic() + PROBE_FOR_SECONDS
+        try:
+            while time.monotonic() < deadline:
+                await asyncio.sleep(PROBE_EVERY_SECONDS)
+                if await self._unanswered_why() is None:
+                    log.info("PostgreSQL answers this worker again: it takes recovery's steps again")
+                    return
+        finally:
+            self._unanswered = None  # answered, or past the probe's bound: the next step asks for itself
+
     @activity.defn
     async def nominate_expired(self, request: RecoveryInput) -> list[Candidate]:
+        await self._able_to_act()
         found = await self.recovery.nominate(request.limit)
         await self._wake_runs_closed_early(limit=request.limit)
         return [Candidate(job_id=c.job_id, attempt_id=c.attempt_id, status=c.status,
@@ -99,6 +165,7 @@ class RecoveryActivities:
     async def take_over(self, candidate: Candidate) -> TakeoverOutput:
         # Started by RecoveryWorkflow only, so it always has the run's ID (None is for a standalone activity).
         run_id = cast(str, activity.info().workflow_run_id)
+        await self._able_to_act()
         try:
             if candidate.status is Status.RUNNING:
                 recorded = await self.recovery.take_over_running(StoreCandidate(**candidate.model_dump()), run_id)
@@ -155,12 +222,57 @@ class RecoveryActivities:
             return None
 
     @activity.defn
+    async def list_follow_ups(self, request: FollowUpInput) -> list[FollowUpCandidate]:
+        await self._able_to_act()
+        found = await self.follow_ups.pending(window_seconds=request.window_seconds, limit=request.limit)
+        return [FollowUpCandidate(job_id=p.job_id, tenant_id=p.tenant_id, destination_id=p.destination_id,
+                                  attempt_id=p.attempt_id, looks=p.looks) for p in found]
+
+    @activity.defn
+    async def follow_up(self, candidate: FollowUpCandidate) -> FollowUpOutput:
+        """One look at an OutcomeUnknown export's partner: settled Completed by proof of content, or the finding
+        noted for operators and the next run. A partner that cannot be reached is a finding too."""
+        run_id = activity.info().workflow_run_id or "standalone"
+        row = await self.store.read_job(candidate.job_id)
+        if row is None or row.status is not Status.OUTCOME_UNKNOWN or row.attempt_id != candidate.attempt_id:
+            return FollowUpOutput(job_id=candidate.job_id, concluded="Skipped", finding="moved on since the listing")
+        destination = await self.store.read_destination(row.tenant_id, row.destination_id)
+        if destination is None or row.expected_file_name is None:
+            return await self._not_settled(row, "Unreachable", "no destination or no final name to look at")
+        try:
+            look = await follow_up_look(DestinationConfig.from_row(destination), row.expected_file_name)
+        except Exception as exc:
+            return await self._not_settled(row, "Unreachable", f"the partner could not be looked at: "
+                                                               f"{outcomes.describe(exc)}")
+        expected = row.expected_file_sha256.hex() if row.expected_file_sha256 else None
+        verdict = outcomes.follow_up_verdict(look, final_name=row.expected_file_name, expected_sha256=expected)
+        if verdict.confirmed_by not in ("sha256", "acknowledgment"):
+            return await self._not_settled(row, "OutcomeUnknown", verdict.summary)
+        observed = look.sha256 if verdict.confirmed_by == "sha256" else look.acknowledged_sha256
+        await self.follow_ups.noted(row.id, row.attempt_id, verdict.summary)
+        if not await self.follow_ups.confirm(row.id, row.attempt_id, final_name=row.expected_file_name,
+                                             observed_sha256=cast(str, observed), proof=verdict.confirmed_by,
+                                             detail=verdict.summary, run_id=run_id):
+            return FollowUpOutput(job_id=row.id, concluded="Skipped", finding="moved on before it was settled")
+        metrics.FOLLOW_UP_LOOKS.labels(concluded="Completed").inc()
+        log.info("follow-up %s: export %s attempt %s settled Completed: %s", run_id, row.id, row.attempt_id,
+                 verdict.summary)
+        return FollowUpOutput(job_id=row.id, concluded="Completed", finding=verdict.summary)
+
+    async def _not_settled(self, row: JobRow, concluded: str, finding: str) -> FollowUpOutput:
+        await self.follow_ups.noted(row.id, cast(uuid.UUID, row.attempt_id), finding)
+        metrics.FOLLOW_UP_LOOKS.labels(concluded=concluded).inc()
+        return FollowUpOutput(job_id=row.id, concluded="OutcomeUnknown", finding=finding)
+
+    @activity.defn
     async def sweep(self, request: SweepInput) -> int:
+        await self._able_to_act()
         return metrics.swept("queued", await self.recovery.sweep_all(
             threshold_seconds=request.threshold_seconds, batch=request.batch))
 
     @activity.defn
     async def list_destinations(self) -> list[DestinationRef]:
+        await self._able_to_act()
         return [DestinationRef(tenant_id=d["tenant_id"], destination_id=d["id"])
                 for d in await self.store.read_destinations()]
 
@@ -168,6 +280,7 @@ class RecoveryActivities:
     async def sweep_partner_temp_files(self, ref: DestinationRef) -> PartnerSweepOutput:
         """Our temporary files at one partner that are older than its contract allows, of attempts no longer
         Delivering: removed. A partner that cannot be reached is reported, and swept at the next run."""
+        await self._able_to_act()
         row = await self.store.read_destination(ref.tenant_id, ref.destination_id)
         if row is None:
             return PartnerSweepOutput(destination_id=ref.destination_id, error="no such destination")

@@ -10,7 +10,7 @@ import os
 import sys
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NoReturn, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from pydantic import ValidationError
@@ -51,7 +51,7 @@ from starter.preflight import (
     wrong_type_line,
 )
 from store.models import CancellationOutcome, CancellationResult
-from store.settings import Settings, get_settings
+from store.settings import Settings, get_settings, setting_problem
 from store.statements import RoleStore
 
 T = TypeVar("T")
@@ -145,9 +145,7 @@ def _settings() -> Settings:
     try:
         return get_settings()
     except ValidationError as exc:
-        first = exc.errors()[0]
-        name = f"setting EXPORTS_{str(first['loc'][0]).upper()}" if first["loc"] else "settings"
-        raise InputError(f"{name}: {first['msg'].removeprefix('Value error, ')}") from None
+        raise InputError(setting_problem(exc)) from None
 
 
 async def _reach_database(url: str, setting: str) -> None:
@@ -418,6 +416,27 @@ def schedules_install() -> None:
         console.print(cell(f"{schedule_id}: {done}"))
 
 
+@schedules_app.command("remove")
+def schedules_remove(
+    schedule_ids: Annotated[list[str], typer.Argument(help="the schedules to remove, e.g. exports-follow-up")],
+) -> None:
+    """Delete schedules this release installs, terminating the run each has open: before a rollback to a release
+    that does not know their workflow (CHANGELOG.md names them). Safe to run again."""
+    from starter.schedules import remove_schedules, schedules
+
+    settings = _settings()
+    known = schedules(settings)
+    unknown = [i for i in schedule_ids if i not in known]
+    if unknown:
+        fail(f"error: not a schedule of this release: {', '.join(unknown)} (its schedules: {', '.join(known)})")
+
+    async def main() -> dict[str, str]:
+        return await remove_schedules(await connect_temporal(settings, timeout=CONNECT_TIMEOUT_SECONDS), schedule_ids)
+
+    for schedule_id, done in asyncio.run(main()).items():
+        console.print(cell(f"{schedule_id}: {done}"))
+
+
 @app.command()
 def setup() -> None:
     """Register the search attributes this release sets on the configured Temporal namespace, those missing only
@@ -472,6 +491,26 @@ def list_exports(
     for listed, row in rows:
         table.add_row(cell(listed.job_id), cell(listed.tenant_id), cell(listed.status),
                       cell(row.status.value if row else "?"), cell(listed.attempts), cell(listed.delivery_key))
+    console.print(table)
+
+
+@app.command("follow-ups")
+def follow_ups(
+    tenant: str | None = typer.Option(None, help="only this tenant's exports"),
+    limit: int = typer.Option(100, min=1, max=1000),
+    as_json: bool = typer.Option(False, "--json", help="print them as JSON"),
+) -> None:
+    """OutcomeUnknown exports the evidence follow-up looks at again (pending), those past its window, left for a
+    person, and those it settled by proof (confirmed), each with its last finding."""
+    window = _settings().follow_up_window_seconds
+    found = _run(lambda c: c.follow_ups(window_seconds=window, tenant_id=tenant, limit=limit))
+    if as_json:
+        print(json.dumps(found, indent=2, default=str))
+        return
+    table = Table("job", "state", "since", "looks", "last look", "finding", title="evidence follow-up")
+    for f in found:
+        table.add_row(cell(f["job_id"]), cell(f["state"]), cell(f["unknown_since"]), cell(f["looks"]),
+                      cell(f["last_look_at"] or ""), cell(f["finding"] or ""))
     console.print(table)
 
 

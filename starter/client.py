@@ -24,6 +24,7 @@ from activities.contracts import CancelRequest, CreateExport, ExportInput, Expor
 from activities.process.temporal import CONNECT_TIMEOUT_SECONDS, Unreachable
 from store import errors
 from store.db import make_engine
+from store.follow_up import FollowUp
 from store.jobs import JobStore
 from store.models import CancellationResult, FailureCode, JobRow, Status
 from store.reconciliation import Reconciliation
@@ -431,6 +432,13 @@ class ExportsClient:
             yield reconciliation
         finally:
             await reconciliation.aclose()
+
+    async def follow_ups(self, *, window_seconds: float, tenant_id: str | uuid.UUID | None = None,
+                         limit: int = 100) -> list[dict[str, Any]]:
+        """The evidence follow-up's exports: pending, left for a person past the window, confirmed within it."""
+        tenant = parse_id(tenant_id, "tenant ID") if tenant_id is not None else None
+        return await FollowUp(self.store.engine).overview(window_seconds=window_seconds, tenant_id=tenant,
+                                                          limit=limit)
 
     async def list(
         self, *, status: str | None = None, tenant_id: str | uuid.UUID | None = None, limit: int = 50

@@ -5,6 +5,7 @@ one line that goes with each error, for the root command (starter/cli.py) and `e
 from __future__ import annotations
 
 import typer
+from pydantic import ValidationError
 from temporalio.service import RPCError, RPCStatusCode
 
 try:  # typer 0.2x carries its own click
@@ -17,6 +18,7 @@ from activities.process.temporal import Unreachable, short_reason, temporal_targ
 from starter.client import InputError, SignalNotSent
 from store import errors
 from store.errors import StoreError
+from store.settings import setting_problem
 
 EXIT_UNEXPECTED = 1  # a bug: one line; EXPORTS_TRACEBACK=1 prints the traceback as well
 EXIT_CHECK_FAILED = 1  # `exports destinations check` found what would stop a delivery
@@ -53,6 +55,8 @@ def answer(exc: Exception) -> tuple[int, str]:
         return EXIT_INTERRUPTED, "interrupted"
     if isinstance(exc, InputError):
         return EXIT_BAD_INPUT, f"error: {exc}"
+    if isinstance(exc, ValidationError):  # a malformed EXPORTS_* setting, read by a command without cli._settings
+        return EXIT_BAD_INPUT, f"error: {setting_problem(exc)}"
     if isinstance(exc, DatabaseFailure):
         refusal = errors.translate(exc.error)
         if isinstance(refusal, StoreError):  # a definite refusal, e.g. a role that may not write

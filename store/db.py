@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
+import socket
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import asyncpg
 from alembic import command
@@ -17,12 +20,13 @@ from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Dialect
-from sqlalchemy.engine.interfaces import DBAPIConnection
+from sqlalchemy.engine.interfaces import DBAPIConnection, ExceptionContext
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection
 
-from store import errors
+from store import errors, urls
+from store.settings import Settings
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 
@@ -33,13 +37,58 @@ SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"
 _DIALECT_PARAMS = ("prepared_statement_cache_size",)
 
 
-def make_engine(url: str, *, pool_size: int = 5, max_overflow: int | None = None) -> AsyncEngine:
+@dataclass(frozen=True)
+class Bounds:
+    """How long a connection waits on PostgreSQL (docs/database.md, "Silent networks"): each statement (None: no
+    bound, for a COPY or a migration that may rightly run long), each connect, and how long the kernel lets sent
+    data or keepalive probes go unacknowledged before it drops the connection (TCP_USER_TIMEOUT, with keepalives
+    paced to match). A bound that fires is an uncertain answer (store/errors.py), as a lost connection is."""
+
+    statement_seconds: float | None
+    connect_seconds: float
+    tcp_user_timeout_seconds: float
+
+    @classmethod
+    def of(cls, settings: Settings) -> Bounds:
+        return cls(settings.database_statement_timeout_seconds, settings.database_connect_timeout_seconds,
+                   settings.database_tcp_user_timeout_seconds)
+
+    @classmethod
+    def defaults(cls) -> Bounds:
+        return cls.of(Settings.model_construct())
+
+    def connect_kwargs(self) -> dict[str, float | None]:
+        """asyncpg.connect()'s own: its connect timeout, and the statement bound as every statement's default."""
+        return {"timeout": self.connect_seconds, "command_timeout": self.statement_seconds}
+
+
+def keep_alive(conn: asyncpg.Connection, tcp_user_timeout_seconds: float) -> None:
+    """TCP keepalives and TCP_USER_TIMEOUT on an asyncpg connection's socket (asyncpg has no parameters for them),
+    so that a peer gone silent is dropped by the kernel in about `tcp_user_timeout_seconds`, idle or not, instead
+    of after the kernel's retransmissions (some 15 minutes) or never (idle). A Unix socket needs none."""
+    transport: Any = conn._transport  # type: ignore[attr-defined]  # asyncpg's own, the socket's only way out
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    # Probes begin after half the timeout idle, three of them before it ends; the user timeout then decides.
+    for name, value in (("TCP_KEEPIDLE", tcp_user_timeout_seconds / 2), ("TCP_KEEPINTVL", tcp_user_timeout_seconds / 6),
+                        ("TCP_KEEPCNT", 3), ("TCP_USER_TIMEOUT", tcp_user_timeout_seconds * 1000)):
+        option = getattr(socket, name, None)  # Linux has them all; other systems some
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, max(1, round(value)))
+
+
+def make_engine(url: str, *, pool_size: int = 5, max_overflow: int | None = None,
+                bounds: Bounds | None = None) -> AsyncEngine:
     """A pooled engine. The URL's connection parameters (host, port, sslmode, sslrootcert, passfile, ...) and the
-    PG* variables are read by asyncpg as libpq reads them, not by SQLAlchemy (see asyncpg_dsn)."""
+    PG* variables are read by asyncpg as libpq reads them, not by SQLAlchemy (see asyncpg_dsn). Every connection
+    has `bounds` (the settings' defaults when None)."""
     if not url:
         raise ValueError("no database URL configured (EXPORTS_DATABASE_URL, or start `exports dev`)")
     dsn = asyncpg_dsn(url)
-    engine = create_async_engine(url, pool_size=pool_size,
+    bounds = Bounds.defaults() if bounds is None else bounds
+    engine = create_async_engine(urls.sqlalchemy_url(url), pool_size=pool_size,
                                  max_overflow=pool_size if max_overflow is None else max_overflow)
 
     @event.listens_for(engine.sync_engine, "do_connect")
@@ -49,7 +98,28 @@ def make_engine(url: str, *, pool_size: int = 5, max_overflow: int | None = None
         # sslrootcert, sslcert or passfile: the whole URL goes as asyncpg's DSN instead, which reads them all.
         kept = {key: cparams[key] for key in _DIALECT_PARAMS if key in cparams}
         cparams.clear()
-        cparams.update(kept, dsn=dsn)
+        cparams.update(kept, dsn=dsn, **bounds.connect_kwargs())
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def _keepalives(dbapi_connection: DBAPIConnection, connection_record: ConnectionPoolEntry) -> None:
+        keep_alive(dbapi_connection.driver_connection, bounds.tcp_user_timeout_seconds)
+
+    @event.listens_for(engine.sync_engine, "handle_error")
+    def _past_its_bound_is_lost(context: ExceptionContext) -> None:
+        # A statement past its bound (asyncpg's command_timeout), or abandoned by its caller's (a cancellation), may
+        # have met a dead network. SQLAlchemy drops its connection already; every older connection of the pool is
+        # replaced at its next checkout too, as after a lost connection, rather than each waiting out its bound.
+        if (isinstance(context.original_exception, (TimeoutError, asyncio.CancelledError))
+                and context.connection is not None):
+            context.is_disconnect = True
+            context.invalidate_pool_on_disconnect = True
+
+    @event.listens_for(engine.sync_engine, "close")
+    def _close_at_once(dbapi_connection: DBAPIConnection, connection_record: ConnectionPoolEntry) -> None:
+        # A connection the pool discards (invalidated, replaced, disposed) is closed without a goodbye: on a dead
+        # network the goodbye waits for an answer that never comes (2 s, or a whole statement bound), and the
+        # server needs none.
+        dbapi_connection.driver_connection.terminate()
 
     @event.listens_for(engine.sync_engine, "checkout")
     def _replace_closed(dbapi_connection: DBAPIConnection, connection_record: ConnectionPoolEntry,
@@ -66,17 +136,21 @@ def make_engine(url: str, *, pool_size: int = 5, max_overflow: int | None = None
 
 
 def asyncpg_dsn(url: str) -> str:
-    """The same URL in the form asyncpg itself accepts: its libpq parameters (sslmode, sslrootcert, host, ...)
-    as they are, `ssl=<mode>` (SQLAlchemy's spelling) as `sslmode=<mode>`, without the dialect's own
-    parameters. Anything the URL leaves out, asyncpg takes from PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE,
-    PGSSLMODE, PGSSLROOTCERT, PGPASSFILE, ... as libpq does. A malformed sslmode is a ValueError."""
+    """The same URL in the form asyncpg itself accepts: its libpq parameters (sslmode, sslrootcert, host,
+    target_session_attrs, ...) as they are, `ssl=<mode>` (SQLAlchemy's spelling) as `sslmode=<mode>`, without the
+    dialect's own parameters. Several hosts (a primary and its standbys) in any form store/urls.py reads; where
+    asyncpg would read them otherwise than libpq (a repeated host=, ?port= beside hosts before the path), they are
+    written out again as one ?host= list. Anything the URL leaves out, asyncpg takes from PGHOST, PGPORT, PGUSER,
+    PGPASSWORD, PGDATABASE, PGSSLMODE, PGSSLROOTCERT, PGPASSFILE, ... as libpq does. Hosts or ports that cannot be
+    read whole are urls.MalformedDatabaseUrl; a malformed sslmode, a ValueError."""
+    parsed = urls.parse(url)
     if url.startswith("postgresql+asyncpg://"):
         url = "postgresql://" + url[len("postgresql+asyncpg://"):]
     parts = urlsplit(url)
     if not parts.query:
         return url
     params = []
-    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+    for key, value in parsed.other_params() if parsed.respell else parsed.query:
         if key in _DIALECT_PARAMS:
             continue
         if key in ("ssl", "sslmode"):
@@ -86,11 +160,25 @@ def asyncpg_dsn(url: str) -> str:
         params.append((key, value))
     if sum(key == "sslmode" for key, _ in params) > 1:
         raise ValueError("the database URL gives sslmode (or ssl) more than once")
-    return urlunsplit(parts._replace(query=urlencode(params, safe="/:")))
+    if parsed.respell:
+        auth = "" if parsed.auth is None else f"{parsed.auth}@"
+        query = urlencode([*parsed.host_params(), *params], safe=urls.QUERY_SAFE)
+        return f"{parts.scheme}://{auth}{parts.path}?{query}"
+    return urlunsplit(parts._replace(query=urlencode(params, safe=urls.QUERY_SAFE)))
 
 
-async def connect_raw(url: str) -> asyncpg.Connection:
-    return await asyncpg.connect(asyncpg_dsn(url))
+async def connect_raw(url: str, bounds: Bounds | None = None) -> asyncpg.Connection:
+    """A connection outside the pools (COPY, LISTEN), to a URL or an asyncpg DSN, with `bounds` (the settings'
+    defaults when None) and keepalives."""
+    bounds = Bounds.defaults() if bounds is None else bounds
+    conn: asyncpg.Connection = await asyncpg.connect(asyncpg_dsn(url), timeout=bounds.connect_seconds,
+                                                     command_timeout=bounds.statement_seconds)
+    try:
+        keep_alive(conn, bounds.tcp_user_timeout_seconds)
+    except BaseException:
+        conn.terminate()
+        raise
+    return conn
 
 
 def _alembic_config(connection: Connection | None = None) -> Config:
@@ -183,7 +271,9 @@ async def migrate(owner_url: str, revision: str = "head", *,
     change. Each lock is waited for at most `lock_timeout_seconds`, then MigrationLocked: a DDL statement queued
     behind a long transaction would hold every worker's statement on that table behind it, for as long."""
     target = resolve_revision(revision)
-    engine = make_engine(owner_url, pool_size=1, max_overflow=0)
+    # No statement bound: a migration's DDL may rightly run long; its lock waits have lock_timeout_seconds.
+    engine = make_engine(owner_url, pool_size=1, max_overflow=0, bounds=replace(Bounds.defaults(),
+                                                                                  statement_seconds=None))
 
     def run(sync_conn: Connection) -> str | None:
         sync_conn.exec_driver_sql(f"SET LOCAL lock_timeout = {int(lock_timeout_seconds * 1000)}")

@@ -111,7 +111,8 @@ def _wrapped(exc: BaseException) -> Iterator[BaseException]:
 def describe(exc: BaseException) -> str:
     """One line for a log: the innermost error (the driver's or the socket's), without SQLAlchemy's wrapping."""
     root = list(_wrapped(exc))[-1]
-    text = " ".join(f"{type(root).__name__}: {root}".split())
+    said = str(root) or ("no answer within its bound" if isinstance(root, TimeoutError) else "")
+    text = " ".join(f"{type(root).__name__}: {said}".split())
     return text[:300]
 
 

@@ -127,3 +127,14 @@ outbox = Table(
     Column("created_at", tstz, nullable=False),
     Column("published_at", tstz),
 )
+
+evidence_follow_ups = Table(
+    "evidence_follow_ups",
+    metadata,
+    Column("job_id", UUID(as_uuid=True), primary_key=True),
+    Column("attempt_id", UUID(as_uuid=True), nullable=False),
+    Column("looks", Integer, nullable=False),
+    Column("first_look_at", tstz, nullable=False),
+    Column("last_look_at", tstz, nullable=False),
+    Column("finding", Text, nullable=False),
+)

@@ -9,8 +9,10 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from store import urls
 
 LOCAL_ENV_FILE = Path(".exports/local.env")
 
@@ -44,6 +46,15 @@ class Settings(BaseSettings):
     # The SDK sends heartbeats (and so learns of cancellation) at most this often; see FACTS.md.
     heartbeat_throttle_seconds: float = Field(0.5, gt=0)
     lock_timeout_ms: int = Field(2000, ge=1)
+    # Client-side bounds on PostgreSQL (docs/database.md, "Silent networks"): a network that drops packets
+    # silently is seen in seconds. A bound that fires is an uncertain answer, as a lost connection is.
+    database_statement_timeout_seconds: float = Field(
+        15.0, gt=0, description="longest wait for a statement's answer (not a build's COPY, which keepalives bound)")
+    database_connect_timeout_seconds: float = Field(
+        5.0, gt=0, description="longest wait for a new connection, its TLS and authentication included")
+    database_tcp_user_timeout_seconds: float = Field(
+        10.0, ge=1, description="how long sent data or keepalive probes may go unacknowledged before the kernel "
+                                "drops the connection (TCP_USER_TIMEOUT; keepalives start after half of it idle)")
     reread_timeout_seconds: float = Field(5.0, gt=0)
     dispatcher_poll_seconds: float = Field(2.0, gt=0)
     # The outbox lock's session is ended by PostgreSQL after this much silence (store/outbox.py): the longest one
@@ -68,6 +79,14 @@ class Settings(BaseSettings):
     recovery_view_window_seconds: float = Field(86400.0, gt=0)
     # How often each partner's temporary directory is swept of our temporary files older than its contract allows.
     partner_sweep_interval_seconds: float = Field(3600.0, ge=1)
+    # How long a workflow task waits on the sticky queue of the worker that has the run cached before any worker
+    # may take it: a killed worker's runs wait this long first (Temporal's default, 10 s).
+    sticky_queue_timeout_seconds: float = Field(10.0, gt=0, le=60)
+    # The evidence follow-up (LV2): how often it looks again at OutcomeUnknown exports, for how long after each
+    # became so (past it, an export is left for a person), and how many it looks at per run.
+    follow_up_interval_seconds: float = Field(600.0, ge=1)
+    follow_up_window_seconds: float = Field(86400.0, gt=0)
+    follow_up_batch: int = Field(50, ge=1, le=1000)
     # How often a worker removes built files that no attempt can use any more (contact data on its disk).
     scavenge_interval_seconds: float = Field(300.0, gt=0)
     # How long a delivery that has its outcome waits for PostgreSQL to take its evidence and terminal write, before
@@ -109,6 +128,14 @@ class Settings(BaseSettings):
     log_format: str = "text"
     log_level: str = "INFO"
 
+    @field_validator("database_url", "dispatcher_database_url", "reconciliation_database_url",
+                     "owner_database_url")
+    @classmethod
+    def _hosts_read_whole(cls, value: str) -> str:
+        # Several hosts (a primary and its standbys) in a form one reader would take for fewer: refused at start,
+        # naming the form that works (store/urls.py), never read as one host.
+        return urls.check(value)
+
     @field_validator("log_format")
     @classmethod
     def _known_log_format(cls, value: str) -> str:
@@ -138,3 +165,11 @@ def as_env(settings: Settings) -> dict[str, str]:
 @lru_cache
 def get_settings() -> Settings:
     return Settings()
+
+
+def setting_problem(exc: ValidationError) -> str:
+    """The first setting that does not parse, and why, in one line: how the command line and a process's start
+    say it."""
+    first = exc.errors()[0]
+    name = f"setting EXPORTS_{str(first['loc'][0]).upper()}" if first["loc"] else "settings"
+    return f"{name}: {first['msg'].removeprefix('Value error, ')}"

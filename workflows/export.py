@@ -221,7 +221,9 @@ class ExportWorkflow:
                 attempt.model_copy(update={"resumption": resumption}),
                 task_queue=queue,
                 start_to_close_timeout=timedelta(hours=6),
-                schedule_to_start_timeout=lease,
+                # The return to the worker that went quiet: a live worker polls its own queue and takes it at
+                # once; a dead one must not hold the build a whole lease more (LV6). Options are not replayed.
+                schedule_to_start_timeout=lease / 6 if returned_to_worker and queue != general else lease,
                 heartbeat_timeout=lease,
                 retry_policy=RetryPolicy(maximum_attempts=1),
                 cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,

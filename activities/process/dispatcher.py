@@ -33,6 +33,7 @@ from temporalio.client import Client
 from activities.contracts import ExportInput, Wake
 from activities.process.temporal import short_reason
 from store import errors
+from store.db import Bounds, connect_raw
 from store.outbox import LockHolder, Outbox
 from workflows.identity import export_workflow_id
 
@@ -52,10 +53,12 @@ class OutboxDispatcher:
         task_queue: str,
         poll_seconds: float,
         batch: int = 100,
+        bounds: Bounds | None = None,
     ) -> None:
         self.client = client
         self.outbox = outbox
         self.listen_dsn = listen_dsn
+        self.bounds = bounds  # the LISTEN connection's (store/db.py)
         self.task_queue = task_queue
         self.poll_seconds = poll_seconds
         self.batch = batch
@@ -150,7 +153,7 @@ class OutboxDispatcher:
 
     async def _listen(self) -> asyncpg.Connection | None:
         try:
-            conn = await asyncpg.connect(self.listen_dsn)
+            conn = await connect_raw(self.listen_dsn, self.bounds)
             await conn.add_listener(NOTIFY_CHANNEL, lambda *args: self._nudged.set())
             return conn
         except Exception as exc:

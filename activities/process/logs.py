@@ -19,7 +19,7 @@ from typing import IO, Any
 from temporalio import activity, workflow
 from temporalio.runtime import LogForwardingConfig, LoggingConfig, TelemetryFilter
 
-from store.settings import Settings
+from store.settings import Settings, setting_problem
 from workflows.identity import job_id_of
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -99,7 +99,5 @@ def settings_or_exit(load: Callable[[], Settings]) -> Settings:
     try:
         return load()
     except ValidationError as exc:
-        first = exc.errors()[0]
-        name = f"setting EXPORTS_{str(first['loc'][0]).upper()}" if first["loc"] else "settings"
-        print(f"error: {name}: {first['msg'].removeprefix('Value error, ')}", file=sys.stderr)
+        print(f"error: {setting_problem(exc)}", file=sys.stderr)
         raise SystemExit(2) from None

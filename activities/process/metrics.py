@@ -38,7 +38,8 @@ ENDED = Counter("exports_ended", "Terminal writes this worker made, by the state
 TAKEOVERS = Counter("exports_recovery_takeovers", "Recovery takeovers that committed, by the event recorded",
                     ["kind"])
 RENEWALS_FAILED = Counter("exports_lease_renewals_failed",
-                          "Lease renewals that failed: error (retried soon) or lost (matched no row)", ["reason"])
+                          "Lease renewals that failed: error (threw or had no answer in time; retried soon), lost "
+                          "(matched no row) or lapsing (none answered and the lease was about to lapse)", ["reason"])
 STOP_LATENCY = Histogram("exports_stop_latency_seconds",
                          "From the stop watcher confirming a stop to the build's Stopped write", buckets=_STOP_SECONDS)
 BUILD_BYTES = Histogram("exports_build_bytes", "Size of each file built", buckets=_BYTES)
@@ -54,6 +55,10 @@ EVIDENCE_SKIPPED = Counter("exports_recovery_evidence_skipped",
                            ["why"])
 VIEWS_BEHIND = Counter("exports_recovery_views_woken",
                        "Exports whose last run had closed with a state the row no longer has, woken by recovery")
+FOLLOW_UP_LOOKS = Counter("exports_follow_up_looks",
+                          "The evidence follow-up's looks at OutcomeUnknown exports, by what each concluded "
+                          "(Completed: settled by proof; OutcomeUnknown: not settled; Unreachable: no look had)",
+                          ["concluded"])
 SWEEPS = Counter("exports_sweeps", "Sweep runs, by kind", ["kind"])
 SWEPT = Counter("exports_swept", "What the sweeps changed: queued rows woken, temporary files removed", ["kind"])
 

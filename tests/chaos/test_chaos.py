@@ -8,7 +8,7 @@ invariants, read from PostgreSQL, the partner's folders, the workers' folders an
 Each fault class is counted, and a run that injected fewer than its profile's minimum fails: a quiet run proves
 nothing. Profiles (EXPORTS_CHAOS_PROFILE): `ci` (the default; about two minutes, run by `.ci/run`), `full`, and
 `transient` (`transient_window`: one fault at a time, each aimed where it touches only exports that saw none, none
-at its point of no return; every export not canceled or stopped must then end Completed).
+at its point of no return; every export not canceled or stopped must then end Completed; also run by `.ci/run`).
 
 Outcomes that need a person (OutcomeUnknown, Failed but OriginalDelivered) are counted per 1,000 exports and each
 is attributed to the injected fault that caused it (tests/helpers/chaos_accounting.py says how): the run fails on

@@ -87,8 +87,8 @@ async def test_migrate_to_the_previous_revision_and_back(db, tmp_path):
     settings = db.settings()
 
     async def head_migration_in_place() -> bool:
-        """Whether the head's migration is in place (0008: the trigger that stamps evidence's holder)."""
-        return bool(await db.admin.fetchval("SELECT count(*) FROM pg_trigger WHERE tgname = 't_evidence_holder'"))
+        """Whether the head's migration is in place (0009: the evidence follow-up's table)."""
+        return bool(await db.admin.fetchval("SELECT to_regclass('public.evidence_follow_ups') IS NOT NULL"))
 
     down = await exports_command(settings, "migrate", "--to", PREVIOUS, cwd=tmp_path)
     assert down.code == 0 and f"at {PREVIOUS} (was {head_revision()})" in down.stdout, down

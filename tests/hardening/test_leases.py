@@ -242,9 +242,11 @@ async def test_a_build_resumed_elsewhere_fences_the_paused_build_whose_stop_writ
         finally:
             a.process.send_signal(signal.SIGCONT)
         release(h.settings, "build_started", job_id)
-        # A's build ends (the stop, its own cancellation, or a renewal that matches nothing) and writes nothing.
+        # A's build ends (the stop, its own cancellation, a renewal that matches nothing, or its keeper's clock: the
+        # pause outlasted its lease, PT2) and writes nothing.
         await eventually(lambda: asyncio.sleep(0, a.log_path.read_text()),
-                         lambda text: "Completing activity" in text or "lost ownership" in text,
+                         lambda text: any(ended in text for ended in (
+                             "Completing activity", "lost ownership", "its lease was about to lapse unrenewed")),
                          timeout=BOUND, what="the fenced build ended")
         assert (await h.store.read_job(job_id)).status is Status.RUNNING  # A's stop write matched nothing
         release(h.settings, "before_cutoff_2", job_id)

@@ -1,6 +1,11 @@
 """A real fault injector: a TCP proxy in front of PostgreSQL (its Unix socket, or its TCP port) that cuts
 connections at chosen points of the v3 wire protocol, so a test can lose a response after the server has
-committed, or lose a statement before it reaches the server, exactly as a dropped network connection would."""
+committed, or lose a statement before it reaches the server, exactly as a dropped network connection would. It can
+also go silent (`go_silent`): a partition that drops packets, where nothing is forwarded either way and neither
+side is closed or told, until `heal`.
+
+A userspace proxy acknowledges what the client sends, so the client's kernel sees a live peer: the silence tests
+the client's own bounds (its statement and connect timeouts), not TCP keepalives or TCP_USER_TIMEOUT."""
 
 from __future__ import annotations
 
@@ -43,11 +48,16 @@ def upstream_of(server: Any) -> str:
     return f"{url.host or '127.0.0.1'}:{url.port or 5432}"
 
 
+class _Dead(Exception):
+    """A connection that a healed partition left behind: it forwards nothing, ever again."""
+
+
 @dataclass
 class _Rule:
     marker: bytes
     fired: asyncio.Event = field(default_factory=asyncio.Event)
     failed: bool = False  # the armed statement failed: nothing will commit
+    silence: bool = False  # at the commit, go silent instead of cutting
 
 
 @dataclass(eq=False)  # identity: kept in a set
@@ -56,6 +66,7 @@ class _Conn:
     server: asyncio.StreamWriter
     prepared: dict[bytes, bytes] = field(default_factory=dict)  # statement name -> its SQL
     armed: _Rule | None = None  # a cut_after_commit rule waiting for this connection's COMMIT
+    dead: bool = False  # silent for good: a partition healed without it (see PgFaultProxy.heal)
 
     def close(self) -> None:
         for writer in (self.client, self.server):
@@ -76,6 +87,9 @@ class PgFaultProxy:
         self.held = 0  # connections waiting, right now, for accept_new_connections()
         self._mode = "open"  # "open", "refuse" or "hold"
         self._released = asyncio.Event()
+        self._flowing = asyncio.Event()  # cleared while silent: nothing is forwarded either way
+        self._flowing.set()
+        self._silenced: set[_Conn] = set()  # the connections open when the silence began
         self.sent: list[tuple[str, str]] = []  # (type, text) of client messages, when log_messages
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[_Conn] = set()
@@ -93,6 +107,7 @@ class PgFaultProxy:
             self._server.close()
         self._mode = "refuse"  # held connections, released below, are closed rather than forwarded
         self._released.set()
+        self._flowing.set()
         self.cut_all()
         for task in list(self._tasks):
             task.cancel()
@@ -113,6 +128,12 @@ class PgFaultProxy:
         self._after_commit = _Rule(marker.encode())
         return self._after_commit.fired
 
+    def silent_after_commit(self, marker: str) -> asyncio.Event:
+        """As cut_after_commit, but instead of the cut the proxy goes silent (go_silent), holding the reply to the
+        commit: committed on the server, unheard by the client for as long as the partition lasts."""
+        self._after_commit = _Rule(marker.encode(), silence=True)
+        return self._after_commit.fired
+
     def cut_before(self, marker: str) -> asyncio.Event:
         """Close both sides instead of forwarding the message holding `marker`: the server never sees it."""
         self._before = _Rule(marker.encode())
@@ -130,6 +151,29 @@ class PgFaultProxy:
     def accept_new_connections(self) -> None:
         self._mode = "open"
         self._released.set()
+
+    def go_silent(self) -> None:
+        """A silent partition: from now on no byte is forwarded in either direction, on open connections and on
+        new ones (accepted, never answered), and no socket is closed, until heal()."""
+        self._flowing.clear()
+        self._silenced = set(self._conns)
+
+    def heal(self, *, keep_open_connections: bool = True) -> None:
+        """The partition ends: what was held is forwarded, as TCP retransmits it. With keep_open_connections=False
+        the connections open when it began never come back (a NAT table flushed, an address moved): the server's
+        side is closed, as the server would end it, and the client's stays open and silent until the client gives
+        up on it; only connections made since then work."""
+        if not keep_open_connections:
+            for conn in self._silenced & self._conns:
+                conn.dead = True
+                with contextlib.suppress(Exception):
+                    conn.server.transport.abort()
+        self._silenced = set()
+        self._flowing.set()
+
+    @property
+    def silent(self) -> bool:
+        return not self._flowing.is_set()
 
     @property
     def open_connections(self) -> int:
@@ -154,6 +198,7 @@ class PgFaultProxy:
                 await self._released.wait()
             finally:
                 self.held -= 1
+        await self._flowing.wait()  # silent: accepted, never answered
         if self._mode == "refuse":
             self.refused += 1
             client_w.transport.abort()
@@ -182,6 +227,7 @@ class PgFaultProxy:
             while True:
                 head = await reader.readexactly(4)
                 body = await reader.readexactly(struct.unpack("!i", head)[0] - 4)
+                await self._forwarding(conn)
                 code = struct.unpack("!i", body[:4])[0]
                 if code in (SSL_REQUEST, GSSENC_REQUEST):
                     conn.client.write(b"N")
@@ -192,14 +238,26 @@ class PgFaultProxy:
             while True:
                 head = await reader.readexactly(5)
                 body = await reader.readexactly(struct.unpack("!i", head[1:])[0] - 4)
+                await self._forwarding(conn)
                 if not self._on_client_message(conn, head[:1], body):
                     return
                 conn.server.write(head + body)
                 await conn.server.drain()
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass
+        except _Dead:
+            # Read and drop whatever the client still sends, until it gives up on the connection.
+            with contextlib.suppress(ConnectionError, OSError):
+                while await reader.read(64 * 1024):
+                    pass
         finally:
             self._drop(conn)
+
+    async def _forwarding(self, conn: _Conn) -> None:
+        """Returns once this connection may forward again (at once unless silent); _Dead when it never will."""
+        await self._flowing.wait()
+        if conn.dead:
+            raise _Dead
 
     def _on_client_message(self, conn: _Conn, kind: bytes, body: bytes) -> bool:
         """Whether to forward the message; arms or fires the rules on the SQL it carries."""
@@ -232,12 +290,11 @@ class PgFaultProxy:
             while True:
                 head = await reader.readexactly(5)
                 body = await reader.readexactly(struct.unpack("!i", head[1:])[0] - 4)
+                await self._forwarding(conn)
                 # CommandComplete "COMMIT": the server has committed. Drop it and everything after it.
                 if conn.armed is not None and head[:1] == b"C" and body.rstrip(b"\0") == b"COMMIT":
-                    log.info("proxy: cutting after commit of %r", conn.armed.marker)
-                    conn.armed.fired.set()
-                    conn.armed = None
-                    return
+                    if not await self._fire(conn, "the commit"):
+                        return
                 if conn.armed is not None and head[:1] == b"C" and body.rstrip(b"\0") == b"ROLLBACK":
                     conn.armed = None  # the statement failed: nothing committed, nothing to cut
                 if conn.armed is not None and head[:1] == b"E":
@@ -247,17 +304,29 @@ class PgFaultProxy:
                 if conn.armed is not None and head[:1] == b"Z" and body == b"I":
                     if conn.armed.failed:
                         conn.armed = None
-                    else:
-                        log.info("proxy: cutting after the autocommit of %r", conn.armed.marker)
-                        conn.armed.fired.set()
-                        conn.armed = None
+                    elif not await self._fire(conn, "the autocommit"):
                         return
                 conn.client.write(head + body)
                 await conn.client.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+        except (asyncio.IncompleteReadError, ConnectionError, OSError, _Dead):
             pass
         finally:
-            self._drop(conn)
+            if not conn.dead:  # a dead connection's client side stays open until the client closes it
+                self._drop(conn)
+
+    async def _fire(self, conn: _Conn, what: str) -> bool:
+        """The armed rule's commit is here: cut (False: the caller drops the reply and ends), or go silent and
+        hold the reply until a heal (True: the caller forwards it then)."""
+        rule = conn.armed
+        assert rule is not None
+        conn.armed = None
+        log.info("proxy: %s after %s of %r", "silent" if rule.silence else "cutting", what, rule.marker)
+        rule.fired.set()
+        if not rule.silence:
+            return False
+        self.go_silent()
+        await self._forwarding(conn)
+        return True
 
     def _drop(self, conn: _Conn) -> None:
         conn.close()

@@ -11,7 +11,9 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 from temporalio.client import Client, WorkflowExecutionDescription
@@ -225,17 +227,25 @@ async def described(world: ReleaseWorld, job_id: uuid.UUID) -> WorkflowExecution
 
 
 async def activity_in_flight(world: ReleaseWorld, job_id: uuid.UUID, activity_type: str | tuple[str, ...], *,
-                             beyond_attempt: int = 0, timeout: float = 30) -> int:
+                             beyond_attempt: int = 0, started_after: datetime | None = None,
+                             timeout: float = 30) -> int:
     """Wait until the run has this activity (or one of these) pending (scheduled or started, not yet completed) in
-    an attempt past `beyond_attempt`; that attempt's number."""
+    an attempt past `beyond_attempt`, or, with `started_after`, started since then (a retry, or the step asked
+    again as a new activity); that attempt's number."""
     types = (activity_type,) if isinstance(activity_type, str) else activity_type
+
+    def counts(a: Any) -> bool:
+        if started_after is None:
+            return True
+        return a.HasField("last_started_time") and a.last_started_time.ToDatetime(tzinfo=UTC) >= started_after
 
     async def attempts() -> list[int]:
         description = await described(world, job_id)
         return [] if description is None else [a.attempt for a in description.raw_description.pending_activities
-                                                if a.activity_type.name in types]
+                                                if a.activity_type.name in types and counts(a)]
 
-    found = await eventually(attempts, lambda found: any(a > beyond_attempt for a in found), timeout=timeout,
+    found = await eventually(attempts, lambda found: any(a > beyond_attempt or started_after for a in found),
+                             timeout=timeout,
                              interval=0.1, what=f"{activity_type} of {job_id} in flight past attempt {beyond_attempt}")
     return max(found)
 

@@ -93,6 +93,21 @@ def rollback_declared_unsupported(previous: Release) -> bool:
     return False
 
 
+def rollback_removes_schedules(previous: Release) -> list[str]:
+    """The schedules this version's CHANGELOG.md entry says to remove before rolling back to `previous` (their
+    workflow is new in this version): each `exports schedules remove <id> ...` in its `### Rolling back to` text."""
+    current = current_version()
+    for entry in _ENTRY.finditer(CHANGELOG.read_text()):
+        if entry["version"] == current:
+            found = re.search(rf"^### Rolling back to {re.escape(previous.version)}\s*\n(.*?)(?=^###|\Z)",
+                              entry.group(0), re.M | re.S)
+            if found is None:
+                return []
+            return [i for command in re.findall(r"`exports schedules remove ([^`]+)`", found.group(1))
+                    for i in command.split()]
+    return []
+
+
 def previous_release() -> Release:
     """The newest release before the code of this checkout."""
     current = current_version()

@@ -129,3 +129,27 @@ EXPORTS = Path(sys.executable).parent / "exports"
 async def exports_command(settings: Settings, *args: str, cwd: Path, bound: float = 60) -> Ran:
     """This checkout's `exports` with exactly these settings, run to its end within `bound`."""
     return await run_command(str(EXPORTS), *args, env=process_env(settings), cwd=cwd, bound=bound)
+
+
+class Sampler:
+    """A background task that calls `sample()` every `interval` seconds, from `start()` until `stop()`: a test's
+    watch on a row or a run while something else happens."""
+
+    interval = 0.05
+
+    async def sample(self) -> None:
+        raise NotImplementedError
+
+    async def _run(self) -> None:
+        while True:
+            await self.sample()
+            await asyncio.sleep(self.interval)
+
+    def start(self) -> None:
+        self._task: asyncio.Task[None] | None = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        task, self._task = getattr(self, "_task", None), None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

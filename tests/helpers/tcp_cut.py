@@ -1,7 +1,8 @@
 """A real TCP proxy that cuts connections: the first `cut_first` connections it accepts end before a byte reaches
 the server, by a close (the client reads the end of the stream) or a reset (an RST); later ones pass through byte
 for byte. So a client sees what a server dropping excess connections (OpenSSH's MaxStartups) or a flaky link shows
-it. `events` records, in the order of acceptance, what became of each connection."""
+it. `events` records, in the order of acceptance, what became of each connection. `go_silent` stops it forwarding
+either way without closing anything (a network that drops packets) until `heal`."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ class TcpCutProxy:
         self._server: asyncio.base_events.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._flowing = asyncio.Event()  # cleared while silent
+        self._flowing.set()
 
     @property
     def accepted(self) -> int:
@@ -49,7 +52,17 @@ class TcpCutProxy:
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
+    def go_silent(self) -> None:
+        """Nothing is forwarded either way, on open connections or new ones (accepted, never answered), and nothing
+        is closed, until heal()."""
+        self._flowing.clear()
+
+    def heal(self) -> None:
+        """What was held is forwarded, as TCP retransmits it, and forwarding goes on."""
+        self._flowing.set()
+
     async def stop(self) -> None:
+        self._flowing.set()
         if self._server is not None:
             self._server.close()
         for writer in list(self._writers):
@@ -72,6 +85,7 @@ class TcpCutProxy:
         task.add_done_callback(self._tasks.discard)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._flowing.wait()
         if self.accepted < self.cut_first:
             self.events.append("cut")
             log.info("proxy: cutting connection %d (%s)", self.accepted, self.how)
@@ -109,6 +123,7 @@ class TcpCutProxy:
         them goes out: a server's last words (a disconnect message) reach the client."""
         try:
             while data := await reader.read(64 * 1024):
+                await self._flowing.wait()
                 to.write(data)
                 await to.drain()
         except OSError:

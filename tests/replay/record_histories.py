@@ -17,7 +17,14 @@ import pytest
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from activities.contracts import PartnerSweepOutput, RecoveryInput, RecoveryReport, SweepInput
+from activities.contracts import (
+    FollowUpInput,
+    FollowUpReport,
+    PartnerSweepOutput,
+    RecoveryInput,
+    RecoveryReport,
+    SweepInput,
+)
 from store.db import asyncpg_dsn
 from store.models import CancellationOutcome, Status
 from tests.helpers.crash import (
@@ -172,6 +179,18 @@ async def test_partner_sweep(harness: Harness):
         result_type=list[PartnerSweepOutput]), timeout=30)
     assert [s.destination_id for s in swept] == [harness.destination_id]
     await record(harness.client, sweep_id, "partner_sweep_one_destination")
+
+
+async def test_follow_up_confirmed_one(harness: Harness):
+    """An OutcomeUnknown export whose file is at the partner, settled by the evidence follow-up's read-back."""
+    h = harness
+    job_id, _ = await unknown_original(h)
+    follow_up_id = f"follow-up-{uuid.uuid4().hex[:8]}"
+    report = await asyncio.wait_for(h.client.execute_workflow(
+        "EvidenceFollowUpWorkflow", FollowUpInput(limit=10, window_seconds=3600), id=follow_up_id,
+        task_queue=h.settings.task_queue, result_type=FollowUpReport), timeout=60)
+    assert (report.looked, report.confirmed) == (1, 1)
+    await record(h.client, follow_up_id, "follow_up_confirmed_one")
 
 
 # --- the branches and timers that the cases above do not walk (UP5) ----------------------------------------------

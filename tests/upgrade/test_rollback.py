@@ -4,9 +4,10 @@ release can write, so the deployment is drained first.
 
 With exports in flight on this release's worker (one building, one waiting on a locked row), the procedure: restart
 the workers with the dispatcher off (EXPORTS_DISPATCHER_ENABLED=false), wait until no export run is open (exports
-created meanwhile wait in the database), stop the workers, `exports migrate --to` the previous release's revision,
-start the previous release's worker. Then nothing is left open, every export settles, and the previous release's
-worker fails no workflow task.
+created meanwhile wait in the database), remove the schedules whose workflow the previous release lacks (`exports
+schedules remove`, as CHANGELOG.md names them), stop the workers, `exports migrate --to` the previous release's
+revision, start the previous release's worker. Then nothing is left open, every export settles, and the previous
+release's worker fails no workflow task.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from pathlib import Path
 import pytest
 from temporalio.api.enums.v1 import EventType
 
+from starter.schedules import schedules
 from store.db import asyncpg_dsn
+from store.settings import Settings
 from tests.helpers.release_world import (
     FAST,
     ReleaseWorld,
@@ -32,9 +35,10 @@ from tests.helpers.releases import (
     ReleaseCode,
     current_version,
     rollback_declared_unsupported,
+    rollback_removes_schedules,
 )
 from tests.helpers.support import eventually, lock_row, unlock_row
-from tests.replay.history_files import HISTORIES
+from tests.replay.history_files import HISTORIES, load, workflow_type
 
 BOUND = 120.0
 OPEN_EXPORT_RUNS = "WorkflowType = 'ExportWorkflow' AND ExecutionStatus = 'Running'"
@@ -93,7 +97,13 @@ async def test_rollback__drained_by_the_documented_procedure_the_previous_releas
             assert await world.admin.fetchval("SELECT status FROM export_jobs WHERE id = $1", job_id) == "Queued"
             assert await described(world, job_id) is None  # no run: nothing this release would have to finish
 
-        # 3. Stopped, and the schema back where the previous release left it.
+        # 3. The schedules whose workflow the previous release does not know: removed, as CHANGELOG.md says.
+        removed = rollback_removes_schedules(previous.release)
+        if removed:
+            ran = await world.todays_command("schedules", "remove", *removed, bound=BOUND)
+            assert ran.code == 0, ran
+
+        # 4. Stopped, and the schema back where the previous release left it.
         for worker in world.workers:
             if worker.process.returncode is None:
                 assert await worker.terminate(bound=BOUND) == 0, worker.log()[-3000:]
@@ -101,7 +111,7 @@ async def test_rollback__drained_by_the_documented_procedure_the_previous_releas
         assert ran.code == 0, ran
         assert await schema_revision(world) == released_revision
 
-        # 4. The previous release: its dispatcher starts the waiting exports, and everything settles.
+        # 5. The previous release: its dispatcher starts the waiting exports, and everything settles.
         rolled_back = await world.released_worker()
         statuses = {job_id: (await closed(world, job_id, timeout=BOUND))["status"]
                     for job_id in (done, building, waiting, *created_while_draining)}
@@ -122,6 +132,15 @@ async def test_rollback__the_previous_release_replays_the_runs_this_one_recorded
     pass fails this test, so the note never outlives its reason."""
     recorded = sorted((HISTORIES / current_version()).glob("*.json"))
     assert recorded, f"no histories of {current_version()}: run `make histories`"
+    # The workflows of schedules the rollback removes first are new in this release: the previous one must
+    # refuse their histories as unknown types, and only so, or the note has outlived its reason.
+    dropped = {schedules(Settings(_env_file=None))[i].action.workflow  # type: ignore[attr-defined]
+               for i in rollback_removes_schedules(previous.release)}
+    new_types = [path for path in recorded if workflow_type(load(path)) in dropped]
+    if new_types:
+        refused = await previous.replay(new_types)
+        assert len(refused) == len(new_types) and all("not registered" in f for f in refused), refused
+        recorded = [path for path in recorded if path not in new_types]
     failures = await previous.replay(recorded)
     if rollback_declared_unsupported(previous.release):
         assert failures, f"CHANGELOG.md says a rollback to {previous.release.version} needs a drain, yet its " \

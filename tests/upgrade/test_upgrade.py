@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -78,7 +79,7 @@ async def test_upgrade__exports_in_flight_on_the_previous_release_are_finished_b
 
             # The deploy: SIGTERM; the old worker lets the upload in flight end, then exits.
             assert await old.terminate(bound=BOUND) in (0, -15), old.log()[-3000:]
-            claims_before = await activity_in_flight(world, queued, CLAIM_STEPS)
+            await activity_in_flight(world, queued, CLAIM_STEPS)
             # A migration that needs the long transaction's lock waits its bound and changes nothing; the Job runs
             # it again once that transaction has ended (tests/upgrade/test_migrate.py holds a lock every migration
             # needs). One that needs no lock it holds goes through.
@@ -106,12 +107,14 @@ async def test_upgrade__exports_in_flight_on_the_previous_release_are_finished_b
             assert setup.code == 0, setup
             assert (await world.todays_command("schedules", "install")).code == 0
 
+            todays_started = datetime.now(UTC)
             await world.todays_worker(build_throttle_bytes_per_second=10_000)
             handle = world.client.get_workflow_handle(export_workflow_id(cancelled))
 
             async def claim_retried_then_unlocked() -> None:
-                # The claim, retried by this release's worker, still meets the lock; then the lock goes.
-                await activity_in_flight(world, queued, CLAIM_STEPS, beyond_attempt=claims_before, timeout=60)
+                # The claim, asked again by this release's worker (a retry, or a new step once the statement's
+                # bound made its answer Unknown), still meets the lock; then the lock goes.
+                await activity_in_flight(world, queued, CLAIM_STEPS, started_after=todays_started, timeout=60)
                 await unlock_row(queued_lock)
 
             async def cancel_busy_then_unlocked() -> None:

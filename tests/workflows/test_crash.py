@@ -153,6 +153,36 @@ async def test_worker_killed_mid_build__resumed_elsewhere_under_the_same_attempt
     assert resumed.result.file is not None
 
 
+@pytest.mark.spec("LV6")
+async def test_worker_killed_mid_build__resumed_within_a_lease_and_a_recovery_interval(db, store, client, tmp_path):
+    """The killed worker's build is noticed by its heartbeat timeout (one lease). The run's next task then waits on
+    the dead worker's sticky queue, and the build looks on that worker's own queue first (a live worker takes it at
+    once): neither may cost a whole lease more. The build resumes elsewhere within one lease plus one recovery
+    interval of the kill, without recovery's help. The sticky timeout keeps its default's ratio to the lease
+    (10 s of 60 s)."""
+    lease = 8.0
+    async with crash_world(db, store, client, tmp_path, lease_seconds=lease, renew_every_seconds=1.0,
+                           recovery_interval_seconds=lease / 2, sticky_queue_timeout_seconds=lease / 6) as h, \
+            processes(h) as started:
+        a = await start_worker(started, h, hold_at="build_started")
+        job_id = await h.create()
+        await held_at(h.settings, "build_started", job_id)
+        held = await h.store.read_job(job_id)
+        await start_worker(started, h)
+        await asyncio.sleep(1.0)  # the survivor polls
+        a.kill()
+        killed_at = asyncio.get_running_loop().time()
+        resumed = await eventually(lambda: events(h.db, job_id),
+                                   lambda found: kinds(found, held.attempt_id).count("BuildStarted") == 2,
+                                   timeout=4 * lease, interval=0.1, what=f"the build of {job_id} resumed")
+        took = asyncio.get_running_loop().time() - killed_at
+        row = await h.settled(job_id)
+    assert [e["worker_id"] for e in resumed if e["kind"] == "BuildStarted"][1] != held.claimed_by
+    assert took <= lease + h.settings.recovery_interval_seconds, took
+    assert (row.status, row.attempt_id, row.attempt_count) == (Status.COMPLETED, held.attempt_id, 1)
+    assert outbound_names(h.partner) == [row.final_name]
+
+
 @pytest.mark.spec("TW2")
 async def test_worker_killed_mid_build__after_a_takeover_the_resumed_build_writes_nothing(crash_harness):
     h = crash_harness

@@ -20,6 +20,8 @@ import pytest
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
+from activities import checkpoints
+from activities.checkpoints import Checkpoints
 from activities.process.dispatcher import OutboxDispatcher
 from starter.localstack.ports import free_port
 from starter.localstack.temporal import LocalTemporal
@@ -31,6 +33,7 @@ from tests.helpers.events import events
 from tests.helpers.faults import fault_proxy
 from tests.helpers.harness import WorkerProcess, held_at, open_harness, run_recovery
 from tests.helpers.lease import LEASE
+from tests.helpers.partner import outbound_names
 from tests.helpers.support import create_job, eventually, seed_tenant
 
 BOUND = 60.0
@@ -412,3 +415,47 @@ async def test_sigterm_during_an_upload_lets_it_end_and_then_exits(db, store, cl
     assert worker.process.returncode == 0
     log = worker.log_path.read_text()
     assert "stops taking tasks" in log and "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.spec("LV8")
+async def test_a_build_whose_database_connection_is_cut_is_built_again_and_completes(db, store, client, tmp_path):
+    """The connection of the build's COPY is cut as the COPY is sent (a network blip, a server restart): a
+    transient fault, so the build tries again within its attempt and the export ends Completed, not BuildFailed."""
+    async with fault_proxy(db.server) as proxy, AsyncExitStack() as stack:
+        cut = proxy.cut_before("COPY (SELECT id, email")
+        h = await open_harness(stack, db, store, client, tmp_path,
+                               database_url=proxy.url("exports_app", db.name))
+        job_id = await h.create()
+        row = await h.settled(job_id)
+    assert cut.is_set()
+    assert (row.status, row.failure_reason, row.attempt_count) == (Status.COMPLETED, None, 1)
+    builds = [e for e in await events(db, job_id) if e["kind"] == "BuildStarted"]
+    assert len(builds) == 1  # tried again inside the build, not by a resumption
+
+
+class _CutAtUpload(Checkpoints):
+    """Arms a cut of the next read of the destination once cutoff 2 has committed: the delivery's first reads."""
+
+    def __init__(self, proxy) -> None:  # type: ignore[no-untyped-def]
+        self.proxy = proxy
+        self.cut: asyncio.Event | None = None
+
+    async def reached(self, name: str, job_id: uuid.UUID) -> None:
+        if name == checkpoints.BEFORE_UPLOAD and self.cut is None:
+            self.cut = self.proxy.cut_before("FROM destinations")
+
+
+@pytest.mark.spec("LV8")
+async def test_a_delivery_whose_first_read_is_cut_reads_again_and_completes(db, store, client, tmp_path):
+    """Cutoff 2 has committed and the delivery's read of its destination loses its connection (nothing has been
+    sent): a transient fault, so the read is tried again and the export ends Completed, not OutcomeUnknown."""
+    async with fault_proxy(db.server) as proxy, AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path,
+                               database_url=proxy.url("exports_app", db.name))
+        assert h.activities is not None
+        h.activities.checkpoints = cutting = _CutAtUpload(proxy)
+        job_id = await h.create()
+        row = await h.settled(job_id)
+    assert cutting.cut is not None and cutting.cut.is_set()
+    assert (row.status, row.attempt_count) == (Status.COMPLETED, 1)
+    assert outbound_names(h.partner) == [row.final_name]

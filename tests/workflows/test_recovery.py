@@ -9,7 +9,13 @@ from datetime import UTC, datetime
 import pytest
 from temporalio.api.enums.v1 import EventType
 
-from starter.schedules import PARTNER_SWEEP_SCHEDULE, RECOVERY_SCHEDULE, SWEEPER_SCHEDULE, install_schedules
+from starter.schedules import (
+    FOLLOW_UP_SCHEDULE,
+    PARTNER_SWEEP_SCHEDULE,
+    RECOVERY_SCHEDULE,
+    SWEEPER_SCHEDULE,
+    install_schedules,
+)
 from store.models import Status
 from tests.helpers.crash import lease_expired
 from tests.helpers.harness import Harness, WorkerProcess, held_at, open_harness, run_recovery, stranded_in_queued
@@ -17,7 +23,7 @@ from tests.helpers.support import eventually
 from workflows.identity import export_workflow_id
 
 SCHEDULES = {RECOVERY_SCHEDULE: "RecoveryWorkflow", SWEEPER_SCHEDULE: "SweeperWorkflow",
-             PARTNER_SWEEP_SCHEDULE: "PartnerSweepWorkflow"}
+             PARTNER_SWEEP_SCHEDULE: "PartnerSweepWorkflow", FOLLOW_UP_SCHEDULE: "EvidenceFollowUpWorkflow"}
 
 
 async def scheduled_runs(h: Harness, schedule_id: str, workflow_type: str, since: datetime) -> list[str]:
@@ -33,7 +39,8 @@ async def scheduled_runs(h: Harness, schedule_id: str, workflow_type: str, since
 async def test_schedules__installed_twice_changes_nothing_and_they_run(harness: Harness):
     settings = harness.settings.model_copy(update={"recovery_interval_seconds": 3600.0,
                                                    "sweeper_interval_seconds": 3600.0,
-                                                   "partner_sweep_interval_seconds": 3600.0})
+                                                   "partner_sweep_interval_seconds": 3600.0,
+                                                   "follow_up_interval_seconds": 3600.0})
     installed_at = datetime.now(UTC)
     first = await install_schedules(harness.client, settings)
     try:
