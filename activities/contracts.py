@@ -235,9 +235,9 @@ class FollowUpInput(BaseModel):
 
 
 class FollowUpCandidate(BaseModel):
+    """An OutcomeUnknown export to look at again; the look reads its row for the rest."""
+
     job_id: UUID
-    tenant_id: UUID
-    destination_id: UUID
     attempt_id: UUID
     looks: int = 0  # looks before this one
 

@@ -225,8 +225,7 @@ class RecoveryActivities:
     async def list_follow_ups(self, request: FollowUpInput) -> list[FollowUpCandidate]:
         await self._able_to_act()
         found = await self.follow_ups.pending(window_seconds=request.window_seconds, limit=request.limit)
-        return [FollowUpCandidate(job_id=p.job_id, tenant_id=p.tenant_id, destination_id=p.destination_id,
-                                  attempt_id=p.attempt_id, looks=p.looks) for p in found]
+        return [FollowUpCandidate(job_id=p.job_id, attempt_id=p.attempt_id, looks=p.looks) for p in found]
 
     @activity.defn
     async def follow_up(self, candidate: FollowUpCandidate) -> FollowUpOutput:

@@ -15,12 +15,10 @@ OBSERVED_BY = "follow-up"  # the event's observer: who settled it, beside the ru
 
 @dataclass(frozen=True)
 class Pending:
+    """An export to look at again: a hint, since each look reads the row for itself."""
+
     job_id: UUID
-    tenant_id: UUID
-    destination_id: UUID
     attempt_id: UUID
-    expected_file_name: str | None
-    expected_sha256: str | None
     looks: int
 
 
@@ -28,9 +26,7 @@ class FollowUp(RoleStore):
     async def pending(self, *, window_seconds: float, limit: int) -> list[Pending]:
         """OutcomeUnknown exports that became so within the window, the least recently looked at first."""
         rows = await self.db.rows("follow_up_pending", window_seconds=window_seconds, limit=limit)
-        return [Pending(job_id=r["job_id"], tenant_id=r["tenant_id"], destination_id=r["destination_id"],
-                        attempt_id=r["attempt_id"], expected_file_name=r["expected_file_name"],
-                        expected_sha256=r["expected_sha256"], looks=r["looks"]) for r in rows]
+        return [Pending(job_id=r["job_id"], attempt_id=r["attempt_id"], looks=r["looks"]) for r in rows]
 
     async def noted(self, job_id: UUID, attempt_id: UUID, finding: str) -> bool:
         """Counts one look and keeps its finding; False when the export is no longer that attempt's OutcomeUnknown."""

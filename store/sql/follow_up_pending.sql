@@ -1,8 +1,6 @@
 -- The evidence follow-up's work: OutcomeUnknown exports that became so within :window_seconds, the least
 -- recently looked at first, so that a backlog larger than one run's batch is looked at in turn.
-SELECT j.id AS job_id, j.tenant_id, j.destination_id, j.attempt_id, j.expected_file_name,
-       encode(j.expected_file_sha256, 'hex') AS expected_sha256, u.recorded_at AS unknown_since,
-       coalesce(f.looks, 0) AS looks
+SELECT j.id AS job_id, j.attempt_id, coalesce(f.looks, 0) AS looks
 FROM export_jobs j
 JOIN export_attempt_events u ON u.job_id = j.id AND u.attempt_id = j.attempt_id
      AND u.kind IN ('Finished', 'ResolvedByRecovery')
