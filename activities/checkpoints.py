@@ -20,6 +20,7 @@ BUILD_CANCELLED = "build_cancelled"  # the build was cancelled; the lease still 
 BEFORE_CUTOFF_2 = "before_cutoff_2"  # the file is built; cutoff 2 not yet attempted
 AFTER_CUTOFF_2 = "after_cutoff_2"    # cutoff 2 committed; its step has not yet answered
 BEFORE_UPLOAD = "before_upload"      # cutoff 2 committed; nothing sent yet
+BEFORE_RENAME_FENCE = "before_rename_fence"  # every byte sent; the rename fence not yet tried
 AFTER_RECEIPT = "after_receipt"      # the partner confirmed the file; the terminal write not yet made
 BEFORE_STEP = "before:"              # + a step's name: an attempt step started, its lease keeper not yet adopted
 

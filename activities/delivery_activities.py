@@ -121,6 +121,24 @@ class DeliveryActivities(ExportActivitiesBase):
                                attempt=attempt_id)
         record_evidence = evidence.record
 
+        async def pass_rename_fence(before_rename: dict[str, Any]) -> None:
+            await self.checkpoints.reached(checkpoints.BEFORE_RENAME_FENCE, job.id)
+            async def evidence_then_fence() -> bool:
+                await evidence.flush()  # the records kept through a blip come first, in order
+                return await self.store.pass_rename_fence(job.id, attempt_id, file.holder, observed_by,
+                                                          before_rename)
+
+            # An outage is waited out as the terminal write waits one out: the row, not the clock, orders the fence
+            # against recovery's take-back, so however late the fence comes it is safe, and a finished upload is
+            # not given up for a blip (the keeper renews meanwhile).
+            passed = await retry_patiently(
+                evidence_then_fence, retryable=errors.is_transient,
+                patience=self.settings.store_outage_patience_seconds,
+                first_delay=0.5, max_delay=2.0, what=f"the rename fence of {job.id} attempt {attempt_id}")
+            if not passed:
+                raise partner_delivery.RenameFenceRefused(
+                    f"the rename fence refused attempt {attempt_id}: recovery took it back")
+
         lease = self._keeper(job.id, attempt_id, file.holder)
         try:
             async with self._heartbeating(lambda: dict(progress)):
@@ -157,6 +175,7 @@ class DeliveryActivities(ExportActivitiesBase):
                             throttle_bytes_per_second=self.settings.upload_throttle_bytes_per_second,
                             expected_sha256=file.sha256_hex,
                             replacement=replacement,
+                            pass_rename_fence=pass_rename_fence,
                         ))
                         if not await self._try_again(result, number, lease, record_evidence, job.id, attempt_id):
                             break

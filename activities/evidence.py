@@ -87,6 +87,9 @@ class _Record(BaseModel):
     decision: str | None = None
 
 
+# The steps `judge` reads; the attempt's other records (whose "final" may be a path, not a listing) are not judged.
+JUDGED = frozenset({"baseline", "decision", "receipt"})
+
 HOLDER = "recorded_by_holder"  # added to each record judged by: its provenance, as the database stamped it
 
 
@@ -109,6 +112,8 @@ def attempt_evidence(events: list[dict[str, Any]], attempt_id: object) -> Attemp
             continue  # not the holder's: recovery's own looks are among these, and are not skipped news
         try:
             detail = json.loads(event["detail"])
+            if isinstance(detail, dict) and isinstance(detail.get("step"), str) and detail["step"] not in JUDGED:
+                continue  # kept for people (a rename's intent, a retry, a failure), not judged by: not malformed
             _Record.model_validate(detail)
         except ValueError as exc:
             why = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else "not JSON"

@@ -38,6 +38,10 @@ AFTER_FAILURE_TIMEOUT_SECONDS = 10.0
 _CAUGHT = (Exception, asyncio.CancelledError)
 
 
+class RenameFenceRefused(Exception):
+    """The export's row no longer lets this attempt rename (recovery took it back): the rename is never sent."""
+
+
 class UploadIncomplete(Exception):
     """The temporary file does not hold exactly the bytes of the local file, so it must not be renamed."""
 
@@ -56,6 +60,7 @@ async def deliver(
     after_failure_timeout: float = AFTER_FAILURE_TIMEOUT_SECONDS,
     expected_sha256: str | None = None,
     replacement: Replacement | None = None,
+    pass_rename_fence: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
 ) -> DeliveryResult:
     """Upload `local_path` to `temp_dir/temp_name`, then rename it to `final_dir/final_name` (no overwrite).
 
@@ -63,6 +68,10 @@ async def deliver(
     asyncio.CancelledError: a cancelled delivery is classified like any other failure, because the caller must
     still record the outcome. The task's cancellation request stays counted (Task.cancelling()), so the caller
     can tell.
+
+    `pass_rename_fence`, given the "step rename" evidence, is the last thing before the rename request: it raises
+    unless the attempt may still rename (the activity's conditional write on the export's row), and the failure is
+    then one before the rename was sent. Without it, that record is appended like any other (callers with no row).
 
     Each SFTP request is bounded by `operation_timeout`; the fresh listing and the cleanup after a failure by
     `after_failure_timeout` each. Raises ValueError only for names that are not plain file names.
@@ -94,8 +103,11 @@ async def deliver(
                 throttle_bytes_per_second=throttle_bytes_per_second, on_progress=on_progress,
                 operation_timeout=operation_timeout,
             )
-            await _record(record_evidence, {"step": "rename", "temp": temp_path, "final": final_path,
-                                            "bytes": total})
+            before_rename = {"step": "rename", "temp": temp_path, "final": final_path, "bytes": total}
+            if pass_rename_fence is None:
+                await _record(record_evidence, before_rename)
+            else:
+                await pass_rename_fence(before_rename)  # raises unless the row still lets this attempt rename
             step = "rename"
             await _rename(sftp, temp_path, final_path, overwrite, operation_timeout)
             step = "confirm"

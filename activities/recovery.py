@@ -167,11 +167,15 @@ class RecoveryActivities:
         run_id = cast(str, activity.info().workflow_run_id)
         await self._able_to_act()
         try:
+            nominated = StoreCandidate(**candidate.model_dump())
             if candidate.status is Status.RUNNING:
-                recorded = await self.recovery.take_over_running(StoreCandidate(**candidate.model_dump()), run_id)
-                detail = ""
+                recorded, detail = await self.recovery.take_over_running(nominated, run_id), ""
             else:
-                recorded, detail = await self._resolve_delivering(candidate, run_id)
+                # An attempt that never passed its rename fence never renamed and now never will: round again.
+                recorded, detail = await self.recovery.take_back_before_rename(nominated, run_id), \
+                    "(its rename fence was still open)"
+                if recorded is None:
+                    recorded, detail = await self._resolve_delivering(candidate, run_id)
         except Exception as exc:
             if errors.is_transient(exc):
                 raise  # retried by the run: the database is away for every candidate alike

@@ -276,6 +276,26 @@ class JobStore(RoleStore):
     async def release_lease(self, job_id: UUID, attempt_id: UUID, holder: str) -> bool:
         return await self._write("release_lease", job_id=job_id, attempt_id=attempt_id, holder=holder) == 1
 
+    async def pass_rename_fence(self, job_id: UUID, attempt_id: UUID, holder: str | None, observed_by: str,
+                                detail: dict[str, Any]) -> bool:
+        """The upload's last write before its rename (pass_rename_fence.sql), with `detail` as its evidence: True
+        when the attempt may send the rename, False when it may not (recovery took the attempt back, or the row
+        moved on). A lost answer is settled by re-reading the row; one that cannot be re-read either is raised, as
+        the database's error, for the caller to try again."""
+        written = await self.db.write(
+            "pass_rename_fence",
+            reread=Reread("ownership_reread", {"job_id": job_id}, when_unchanged=False),
+            job_id=job_id, attempt_id=attempt_id, holder=holder, observed_by=observed_by,
+            detail=json.dumps(detail, sort_keys=True, default=str),
+        )
+        if not written.uncertain:
+            return written.changed
+        if written.unanswered is not None:
+            raise written.unanswered
+        row = written.row
+        return (row is not None and row["status"] == Status.DELIVERING.value and row["attempt_id"] == attempt_id
+                and (holder is None or row["claimed_by"] == holder) and row["rename_fence"] == "passed")
+
     async def authorize_delivery(self, job: JobRow, attempt_id: UUID, file: BuiltFile, *,
                                  not_after: datetime | None = None) -> AuthorizationResult:
         """Cutoff 2. `not_after`: the step's own bound, after which it authorizes nothing (it reads as a lapsed

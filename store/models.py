@@ -109,6 +109,9 @@ class JobRow(BaseModel):
     # The partner-facing name, written at creation (with the tenant in it) and copied by replacements. None only in a
     # row that a run of 0.1.0 recorded, before the column existed: the build then reads the row's own.
     final_name: str | None = None
+    # The attempt's rename fence (migration 0010): open from cutoff 2, passed right before its rename; None before
+    # cutoff 2, after a take-back, and for an attempt authorized by 0.2.0 or recorded before the column existed.
+    rename_fence: str | None = None
 
 
 class CancellationResult(BaseModel):

@@ -22,7 +22,7 @@ from store.statements import RoleStore, Written
 
 log = logging.getLogger(__name__)
 
-# The event each Running takeover records; take_over_running returns the one that committed.
+# The event each takeover records; take_over_running and take_back_before_rename return the one that committed.
 REQUEUED = "RequeuedByRecovery"
 STOPPED = "StoppedByRecovery"
 RESOLVED = "ResolvedByRecovery"
@@ -70,8 +70,9 @@ class Recovery(RoleStore):
         ]
 
     async def requeue(self, job_id: UUID, attempt_id: UUID) -> bool:
-        """Running -> Queued with RequeuedByRecovery and a new outbox row. The statement's row count is the
-        outbox insert's, which is one exactly when the update and its event happened."""
+        """Running (or Delivering, its rename fence open) -> Queued with RequeuedByRecovery and a new outbox row.
+        The statement's row count is the outbox insert's, which is one exactly when the update and its event
+        happened."""
         return await self._takeover(
             "recovery_requeue", None, job_id=job_id, expired_attempt_id=attempt_id, max_attempts=self.max_attempts
         )
@@ -86,7 +87,8 @@ class Recovery(RoleStore):
         )
 
     async def exhaust(self, job_id: UUID, attempt_id: UUID, recovery_run_id: str | UUID) -> bool:
-        """Running at the attempt cap -> Failed/AttemptsExhausted, with its event."""
+        """Running (or Delivering, its rename fence open) at the attempt cap -> Failed/AttemptsExhausted, with its
+        event."""
         return await self._takeover(
             "recovery_exhausted", Status.FAILED,
             job_id=job_id,
@@ -129,6 +131,17 @@ class Recovery(RoleStore):
         decides again."""
         if candidate.status is not Status.RUNNING:
             raise ValueError(f"export {candidate.job_id} was nominated {candidate.status}, not Running")
+        return await self._take_back(candidate, recovery_run_id)
+
+    async def take_back_before_rename(self, candidate: Candidate, recovery_run_id: str | UUID) -> str | None:
+        """A Delivering candidate taken back as a Running one is (requeued, or exhausted at the cap) if its rename
+        fence is still open (migration 0010): the event kind it recorded, or None if it matched nothing (the fence
+        passed, a replacement, renewed or finished since the scan), and the caller resolves it from evidence."""
+        if candidate.status is not Status.DELIVERING:
+            raise ValueError(f"export {candidate.job_id} was nominated {candidate.status}, not Delivering")
+        return await self._take_back(candidate, recovery_run_id)
+
+    async def _take_back(self, candidate: Candidate, recovery_run_id: str | UUID) -> str | None:
         if candidate.stop_request_id is not None:
             kind, done = STOPPED, await self.stop(candidate.job_id, candidate.attempt_id, recovery_run_id)
         elif candidate.attempt_count >= self.max_attempts:

@@ -78,6 +78,7 @@ export_jobs = Table(
     Column("confirmed_by", Text),
     Column("rejection_reason", Text),
     Column("final_name", Text, nullable=False),
+    Column("rename_fence", Text),  # migration 0010: NULL, open (at cutoff 2) or passed (right before the rename)
 )
 
 deliveries = Table(

@@ -89,8 +89,8 @@ class Settings(BaseSettings):
     follow_up_batch: int = Field(50, ge=1, le=1000)
     # How often a worker removes built files that no attempt can use any more (contact data on its disk).
     scavenge_interval_seconds: float = Field(300.0, gt=0)
-    # How long a delivery that has its outcome waits for PostgreSQL to take its evidence and terminal write, before
-    # it leaves the attempt to recovery (which then judges from what the partner shows).
+    # How long a delivery waits for PostgreSQL to pass its rename fence (its upload done, the rename not sent) and,
+    # once it has its outcome, to take its evidence and terminal write, before it leaves the attempt to recovery.
     store_outage_patience_seconds: float = Field(600.0, gt=0)
     # A delivery proven not delivered by a fault that may pass (cut before the rename was sent, the final name
     # untouched) is tried again within its attempt, under its lease: at most this many tries in all, pausing

@@ -2,7 +2,8 @@
 -- a current lease, which it renews, so the upload starts with a full one; for a replacement, also only while its
 -- original is not Completed. FOR SHARE makes a correction of the original and this statement wait for each
 -- other, whichever commits first. :not_after is the step's own bound: a step that reaches the database after it
--- (its worker was paused, and the run has moved on) authorizes nothing.
+-- (its worker was paused, and the run has moved on) authorizes nothing. It opens the attempt's rename fence
+-- (pass_rename_fence.sql).
 WITH original_open AS (
     SELECT 1 FROM export_jobs
     WHERE tenant_id = :tenant_id AND id = CAST(:replaces_job_id AS uuid) AND status <> 'Completed'
@@ -11,7 +12,7 @@ authorized AS (
     UPDATE export_jobs
     SET status = 'Delivering',
         expected_file_name = :final_name, expected_file_bytes = :length, expected_file_sha256 = :sha256,
-        delivery_authorized_at = clock_timestamp(),
+        delivery_authorized_at = clock_timestamp(), rename_fence = 'open',
         lease_expires_at = clock_timestamp() + make_interval(secs => :lease_seconds)
     WHERE id = :job_id AND attempt_id = :attempt_id AND status = 'Running'
       AND claimed_by = coalesce(CAST(:holder AS text), claimed_by)

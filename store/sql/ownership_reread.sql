@@ -1,6 +1,7 @@
--- State and ownership read together: whether an uncertain claim or cutoff 2 committed, and why cutoff 2 was refused.
--- The version tells an uncertain claim whether the row is still as it checked it.
+-- State and ownership read together: whether an uncertain claim, cutoff 2 or rename fence committed, and why
+-- cutoff 2 was refused. The version tells an uncertain claim whether the row is still as it checked it.
 SELECT j.status, j.attempt_id, j.claimed_by, j.version, j.stop_request_id IS NOT NULL AS stop_recorded,
+       j.rename_fence,
        j.lease_expires_at > clock_timestamp() AS lease_current,
        o.status AS original_status
 FROM export_jobs j

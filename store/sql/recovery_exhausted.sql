@@ -1,9 +1,12 @@
--- An expired Running attempt that has used up its attempts fails, so a job that kills its worker every time is
--- not requeued forever.
+-- An expired attempt that has used up its attempts fails, so a job that kills its worker every time is not
+-- requeued forever: a Running one, or a Delivering original whose rename fence is still open (as in
+-- recovery_requeue.sql).
 WITH exhausted AS (
     UPDATE export_jobs
     SET status = 'Failed', failure_reason = 'AttemptsExhausted', lease_expires_at = NULL
-    WHERE id = :job_id AND status = 'Running' AND attempt_id = :expired_attempt_id
+    WHERE id = :job_id AND attempt_id = :expired_attempt_id
+      AND (status = 'Running'
+           OR (status = 'Delivering' AND rename_fence = 'open' AND replaces_job_id IS NULL))
       AND stop_request_id IS NULL AND attempt_count >= :max_attempts
       AND lease_expires_at < clock_timestamp()
     RETURNING id, attempt_id),

@@ -1,10 +1,13 @@
--- An expired Running attempt with no stop request, under the attempt cap, goes back to the queue, with its
--- event and a new outbox row (a new message ID: a broker that deduplicates must not drop this wake-up).
+-- An expired attempt, no stop request, under the cap, back to the queue with its event and a new outbox row (a
+-- new message ID): a Running one, or a Delivering original whose rename fence is open (pass_rename_fence.sql).
 WITH requeued AS (
     UPDATE export_jobs
     SET status = 'Queued', attempt_id = NULL, claimed_by = NULL, lease_expires_at = NULL,
-        woken_at = clock_timestamp()
-    WHERE id = :job_id AND status = 'Running' AND attempt_id = :expired_attempt_id
+        expected_file_name = NULL, expected_file_bytes = NULL, expected_file_sha256 = NULL,
+        delivery_authorized_at = NULL, rename_fence = NULL, woken_at = clock_timestamp()
+    WHERE id = :job_id AND attempt_id = :expired_attempt_id
+      AND (status = 'Running'
+           OR (status = 'Delivering' AND rename_fence = 'open' AND replaces_job_id IS NULL))
       AND stop_request_id IS NULL AND attempt_count < :max_attempts
       AND lease_expires_at < clock_timestamp()
     RETURNING id),

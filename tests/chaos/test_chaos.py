@@ -740,10 +740,10 @@ INVARIANTS = {
     "settled": "every export has its row, settled (OutcomeUnknown included)",
     "partner files": "Completed files are the expected bytes; no file for an export that ended without one; at "
                      "most one Completed and one rename per final name; no file of no export",
-    "attempts": "each attempt's events a sequence the statements write, within the cap; one authorization, one "
-                "uploader and one terminal event per attempt",
-    "cancellations": "one record and one agreeing answer per request ID; each recorded outcome holds; no "
-                     "delivery after a recorded stop",
+    "attempts": "each attempt's events a sequence the statements write, within the cap; one terminal event per "
+                "attempt; every authorization but the last taken back before its rename fence; one renamer",
+    "cancellations": "one record and one agreeing answer per request ID; each recorded outcome holds; the "
+                     "attempt a stop found never authorized",
     "hostile signals": "no hostile signal recorded",
     "workflows": "every workflow returned its row's status",
     "search attributes": "the latest run's ExportStatus equals the row's status",
@@ -761,11 +761,13 @@ Violation = tuple[str, str]  # (invariant, what was found)
 
 # An attempt's events, one letter each (evidence aside), and the sequences the statements can write: claimed;
 # builds started; then requeued, stopped or failed, or authorized once and finished once (by the worker or by
-# recovery), then perhaps reconciled; a Completed or Failed perhaps corrected once.
+# recovery), then perhaps reconciled; a Completed or Failed perhaps corrected once; or authorized and taken back by
+# recovery (requeued, or exhausted at the cap) before it passed its rename fence (migration 0010).
 LETTER = {"Claimed": "C", "BuildStarted": "B", "RequeuedByRecovery": "Q", "Stopped": "S", "StoppedByRecovery": "S",
           "Failed": "F", "AttemptsExhausted": "F", "DeliveryAuthorized": "A", "Finished": "E",
           "ResolvedByRecovery": "E", "Reconciled": "R", "Corrected": "X"}
-ATTEMPT = re.compile(r"CB*(?:Q|S|FX?)|CB+AER?X?")
+ATTEMPT = re.compile(r"CB*(?:Q|S|FX?)|CB+AER?X?|CB+A(?:Q|F)")
+TAKEN_BACK = re.compile(r"CB+A(?:Q|F)")
 ENDS = {"Q": {Status.QUEUED}, "S": {Status.STOPPED}, "F": {Status.FAILED}, "E": {Status.COMPLETED, Status.FAILED,
         Status.OUTCOME_UNKNOWN}, "R": {Status.COMPLETED, Status.FAILED}, "X": {Status.COMPLETED, Status.FAILED}}
 
@@ -780,6 +782,13 @@ def sequence_problems(events: list[dict[str, Any]], row: dict[str, Any], max_att
             attempts[e["attempt_id"]] = attempts.get(e["attempt_id"], "") + LETTER[e["kind"]]
     problems = [f"attempt {str(a)[:8]}: events {seq} are not a sequence the statements write"
                 for a, seq in attempts.items() if not ATTEMPT.fullmatch(seq)]
+    renamed = {e["attempt_id"] for e in events if e["kind"] == "DeliveryEvidence"
+               and parse(e["detail"]).get("step") == "rename"}
+    problems += [f"attempt {str(a)[:8]} ({seq}) was taken back after it passed its rename fence"
+                 for a, seq in attempts.items() if TAKEN_BACK.fullmatch(seq) and a in renamed]
+    kept = [a for a, seq in attempts.items() if "A" in seq and not TAKEN_BACK.fullmatch(seq)]
+    if len(kept) > 1:
+        problems.append(f"{len(kept)} authorized attempts not taken back: {[str(a)[:8] for a in kept]}")
     status, current = Status(row["status"]), row["attempt_id"]
     for attempt, seq in attempts.items():
         if attempt != current and not seq.endswith("Q"):
@@ -861,18 +870,18 @@ async def check_invariants(c: Chaos) -> tuple[list[Violation], list[str], dict[s
         for problem in sequence_problems(evts, row, c.h.settings.max_attempts):
             ev(job_id, "attempts", problem)
 
-        # Never a second upload; one terminal per attempt.
-        if by_kind["DeliveryAuthorized"] > 1:
-            ev(job_id, "attempts", f"{by_kind['DeliveryAuthorized']} DeliveryAuthorized events")
-        uploaders = {e["observed_by"] for e in evts if e["kind"] == "DeliveryEvidence"
-                     and parse(e["detail"]).get("step") in ("baseline", "rename")}
-        if len(uploaders) > 1:
-            ev(job_id, "attempts", f"uploads by more than one attempt/worker: {sorted(uploaders)}")
+        # Never a second rename (an attempt taken back may have uploaded to its temporary name); one terminal per
+        # attempt.
+        renamers = {e["observed_by"] for e in evts if e["kind"] == "DeliveryEvidence"
+                    and parse(e["detail"]).get("step") == "rename"}
+        if len(renamers) > 1:
+            ev(job_id, "attempts", f"renames by more than one attempt/worker: {sorted(renamers)}")
         per_attempt = Counter(e["attempt_id"] for e in evts if e["kind"] in ("Finished", "ResolvedByRecovery"))
         for attempt, n in per_attempt.items():
             if n > 1:
                 ev(job_id, "attempts", f"attempt {attempt} has {n} Finished/ResolvedByRecovery events")
         authorized = by_kind["DeliveryAuthorized"] > 0
+        authorized_attempts = {e["attempt_id"] for e in evts if e["kind"] == "DeliveryAuthorized"}
         if status in (Status.COMPLETED, Status.OUTCOME_UNKNOWN) and not authorized:
             ev(job_id, "attempts", f"{status} without DeliveryAuthorized")
         if status is Status.OUTCOME_UNKNOWN:
@@ -887,8 +896,8 @@ async def check_invariants(c: Chaos) -> tuple[list[Violation], list[str], dict[s
             if outcome is CancellationOutcome.CANCELED_WHILE_QUEUED and status is not Status.CANCELED:
                 ev(job_id, "cancellations", f"CanceledWhileQueued recorded, but the export ended {status}")
             if outcome in STOP_OUTCOMES:
-                if authorized:
-                    ev(job_id, "cancellations", f"{outcome} recorded, yet delivery was authorized")
+                if r["found_attempt_id"] in authorized_attempts:
+                    ev(job_id, "cancellations", f"{outcome} recorded, yet the attempt it found was authorized")
                 elif status is not Status.STOPPED:
                     ev(job_id, "cancellations",
                        f"{outcome} recorded, never authorized, but the export ended {status}/{failure}")

@@ -2,8 +2,9 @@
 dev server (recovery runs as its workflow on a real worker) and the local SFTP partner.
 
 Each attempt is arranged through the real statements and left Delivering with an expired lease, as a worker that
-died after its rename leaves it. Its evidence is what the real delivery code appends: `partner_delivery.deliver` runs
-against the partner and appends to the store; only the terminal write is never made.
+died after its rename leaves it: past its rename fence, so recovery judges it rather than take it back. Its
+evidence is what the real delivery code appends: `partner_delivery.deliver` runs against the partner and appends to
+the store; only the terminal write is never made.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ SIZE = 4096
 
 
 async def delivering(h: Harness, content: bytes, *, job_id: uuid.UUID | None = None) -> tuple[JobRow, uuid.UUID]:
-    """An export past cutoff 2 whose expected file is `content`; no worker holds it."""
+    """An export past cutoff 2 and its rename fence whose expected file is `content`; no worker holds it."""
     if job_id is None:
         job_id = uuid.uuid4()
         await h.store.create_job(job_id=job_id, tenant_id=h.tenant_id, destination_id=h.destination_id,
@@ -38,6 +39,8 @@ async def delivering(h: Harness, content: bytes, *, job_id: uuid.UUID | None = N
     file = BuiltFile(path="/unused", final_name=row.final_name, size=len(content),
                      sha256_hex=hashlib.sha256(content).hexdigest(), holder="worker-gone")
     assert await h.store.authorize_delivery(row, attempt_id, file) is AuthorizationResult.AUTHORIZED
+    assert await h.store.pass_rename_fence(job_id, attempt_id, "worker-gone", f"worker-gone/{attempt_id}",
+                                           {"step": "rename", "final": row.final_name})
     return await h.store.read_job(job_id), attempt_id
 
 
@@ -228,8 +231,9 @@ async def test_forged_receipts__no_other_role_or_attempt_adds_one_recovery_takes
         await app.close()
     stamped = await h.db.admin.fetch("SELECT observed_by, worker_id FROM export_attempt_events WHERE job_id = $1 "
                                      "AND kind = 'DeliveryEvidence' ORDER BY id", row.id)
-    assert [(r["observed_by"], r["worker_id"]) for r in stamped] == [("reconciler", None), ("app", None),
-                                                                     ("app", None)]
+    # The holder's own record of its rename (its fence), then the forgeries, none stamped with a holder.
+    assert [(r["observed_by"], r["worker_id"]) for r in stamped] == [
+        (f"worker-gone/{attempt_id}", "worker-gone"), ("reconciler", None), ("app", None), ("app", None)]
     assert outbound_names(h.partner) == []
 
     resolved, detail = await recover(h, row.id)

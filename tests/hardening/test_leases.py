@@ -37,7 +37,7 @@ from tests.helpers.lease import (
 )
 from tests.helpers.partner import assert_partner_holds
 from tests.helpers.store_states import built_file
-from tests.helpers.support import create_job, delivery_evidence, eventually, seed_tenant
+from tests.helpers.support import create_job, eventually, seed_tenant
 
 
 class LoseClaimResponseOnce(Checkpoints):
@@ -153,8 +153,8 @@ async def test_lease_is_kept_between_the_steps_of_an_attempt(db, store, client, 
 async def test_a_delivery_that_starts_after_recovery_resolved_its_attempt_uploads_nothing(db, store, client,
                                                                                          tmp_path):
     """Past cutoff 2, the worker is cut off from PostgreSQL (its renewals never arrive) and its delivery starts
-    late: recovery resolves the attempt meanwhile. When the delivery starts, its confirming renewal matches no row,
-    so it never connects to the partner."""
+    late: recovery takes the attempt back meanwhile (its rename fence is open). When the delivery starts, its
+    confirming renewal matches no row, so it never connects to the partner; the export's next attempt delivers."""
     async with AsyncExitStack() as stack:
         proxy = await open_proxy(stack, db)
         hold = Hold(BEFORE_UPLOAD)
@@ -167,20 +167,23 @@ async def test_a_delivery_that_starts_after_recovery_resolved_its_attempt_upload
         blocker.start()
         await wait_expired(db, job_id)
         report = await run_recovery(h.client, h.settings)
-        assert [t.recorded for t in report.taken_over if t.job_id == job_id] == ["ResolvedByRecovery"]
+        assert [t.recorded for t in report.taken_over if t.job_id == job_id] == ["RequeuedByRecovery"]
         assert blocker.cuts >= 1  # the keeper did try to renew, and the fault was injected
         await blocker.stop()
         hold.release.set()
 
         row = await h.settled(job_id)
-        assert row.status is Status.OUTCOME_UNKNOWN and row.attempt_id == attempt_id
-        assert list((h.partner.root / "outbound").iterdir()) == []
+        assert row.status is Status.COMPLETED and row.attempt_id != attempt_id
+        assert_partner_holds(h.partner, row, only=True)
         assert list((h.partner.root / "incoming-tmp").iterdir()) == []
         delivers = [r for name, r in await history(h, job_id) if name == "deliver"]
-        assert len(delivers) == 1 and delivers[0]["written"] is False and delivers[0]["outcome"] is None
-        steps = [json.loads(d)["step"] for d in await delivery_evidence(db.admin, job_id)]
+        assert len(delivers) == 2 and delivers[0]["written"] is False and delivers[0]["outcome"] is None
+        steps = [json.loads(r["detail"])["step"] for r in await db.admin.fetch(
+            "SELECT detail FROM export_attempt_events WHERE job_id = $1 AND attempt_id = $2 "
+            "AND kind = 'DeliveryEvidence' ORDER BY id", job_id, attempt_id)]
         assert "baseline" not in steps and "not_uploaded" in steps  # it never connected, and says so
-        assert "Finished" not in kinds(await events(db, job_id))
+        assert kinds(await events(db, job_id), attempt_id) == [
+            "Claimed", "BuildStarted", "DeliveryAuthorized", "RequeuedByRecovery", "DeliveryEvidence"]
 
 
 # --- LK3: a resumed build fences the earlier build of its attempt -------------------------------------------------

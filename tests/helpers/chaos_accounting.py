@@ -42,6 +42,7 @@ and an operator can reconcile the files by hand only so far.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import uuid
@@ -118,6 +119,15 @@ class Recorded:
     claimed: float | None = None
     authorized: float | None = None
     ended: float | None = None
+    renamed: bool = False  # the attempt passed its rename fence: its rename may have been sent
+
+
+def _step(detail: str | None) -> object:
+    try:
+        value = json.loads(detail or "")
+    except ValueError:
+        return None
+    return value.get("step") if isinstance(value, dict) else None
 
 
 def recorded_outcome(row: dict[str, Any], events: list[dict[str, Any]]) -> Recorded:
@@ -147,8 +157,9 @@ def recorded_outcome(row: dict[str, Any], events: list[dict[str, Any]]) -> Recor
         outcome, kind = status, None  # requeued, then canceled while queued
     else:
         outcome, kind = "Stopped", terminal["kind"]
+    renamed = any(e["kind"] == "DeliveryEvidence" and _step(e.get("detail")) == "rename" for e in mine)
     return Recorded(
-        outcome=outcome, terminal=kind, attempt_id=attempt,
+        outcome=outcome, terminal=kind, attempt_id=attempt, renamed=renamed,
         pid=worker_pid(claimed["worker_id"]) if claimed else None,
         claimed=_epoch(claimed["recorded_at"]) if claimed else None,
         authorized=_epoch(authorized["recorded_at"]) if authorized else None,
@@ -226,6 +237,11 @@ class Accounting:
         out = [f"  operator-needed outcomes         per 1,000 exports ({self.exports} exports)",
                f"    all                            {self.per_thousand(len(self.needed)):7.1f}  ({len(self.needed)})"]
         out += [f"    {kind:<30} {self.per_thousand(n):7.1f}  ({n})" for kind, n in sorted(self.by_kind().items())]
+        # Where the attempt was: past its rename fence (the rename may have been sent: out of reach by design), or
+        # before it (the attempt provably never renamed).
+        for label, renamed in (("past the rename fence", True), ("before the rename fence", False)):
+            n = sum(1 for x in self.needed if x.recorded.renamed is renamed)
+            out.append(f"    {label:<30} {self.per_thousand(n):7.1f}  ({n})")
         for cause, n in sorted(self.by_cause().items(),
                                key=lambda item: PRIORITY.index(item[0]) if item[0] in PRIORITY else len(PRIORITY)):
             label = cause if cause == "unattributed" else f"caused by {cause}"
@@ -242,8 +258,9 @@ class Accounting:
             window = (f"{r.claimed - t0:.1f}s-{r.ended - t0:.1f}s" if r.claimed is not None and r.ended is not None
                       else "?")
             through = f", through its original {n.through}" if n.through else ""
+            fence = "past its rename fence" if r.renamed else "before its rename fence"
             out.append(f"operator needed: {n.job_id} {r.outcome} by {r.terminal} (worker pid {r.pid}, attempt "
-                       f"{window}{through}): " + ("; ".join(f.describe(t0) for f in n.causes[:3])
+                       f"{window}, {fence}{through}): " + ("; ".join(f.describe(t0) for f in n.causes[:3])
                                                    or "NO FAULT EXPLAINS IT"))
         return out
 

@@ -417,3 +417,135 @@ async def test_resolve_to_completed_records_its_evidence_and_refuses_other_state
     ) == "Completed: listing matches"
     assert not await recovery.resolve(job.id, attempt_id, Status.COMPLETED, "again", RUN, confirmed_by="size")
     assert ended == [Status.COMPLETED]
+
+
+# --- the rename fence (migration 0010): an expired Delivering attempt that never passed it is taken back ---------
+
+
+async def delivering(store: JobStore, tenant: tuple[uuid.UUID, uuid.UUID]) -> tuple[JobRow, uuid.UUID]:
+    job, attempt_id = await running(store, tenant)
+    assert await store.authorize_delivery(job, attempt_id, built(job)) is AuthorizationResult.AUTHORIZED
+    return await store.read_job(job.id), attempt_id
+
+
+def fence_params(job: JobRow, attempt_id: uuid.UUID) -> dict[str, object]:
+    return {"job_id": job.id, "attempt_id": attempt_id, "holder": None, "observed_by": "worker-a/test",
+            "detail": '{"step": "rename"}'}
+
+
+async def fence(db, job_id: uuid.UUID) -> str | None:
+    return await db.admin.fetchval("SELECT rename_fence FROM export_jobs WHERE id = $1", job_id)
+
+
+@pytest.mark.spec("RI4")
+async def test_an_open_fence_is_taken_back_and_can_then_never_pass(db, store, recovery, tenant, ended):
+    job, attempt_id = await delivering(store, tenant)
+    assert await fence(db, job.id) == "open"  # cutoff 2 opened it
+    await expire(db, job.id)
+    [candidate] = await recovery.nominate(limit=10)
+    assert await recovery.take_back_before_rename(candidate, RUN) == REQUEUED
+
+    row = await store.read_job(job.id)
+    assert (row.status, row.attempt_id, row.claimed_by, row.lease_expires_at, row.expected_file_name,
+            row.expected_file_sha256, row.delivery_authorized_at) == (Status.QUEUED, None, None, None, None, None, None)
+    assert await fence(db, job.id) is None
+    assert kinds(await events(db, job.id)) == ["Claimed", "DeliveryAuthorized", "RequeuedByRecovery"]
+    assert len(await outbox(db, job.id)) == 2 and ended == []
+    # The paused attempt, woken: its fence never passes, so it never renames; its lease is gone too.
+    assert await store.pass_rename_fence(job.id, attempt_id, None, "worker-a/test", {"step": "rename"}) is False
+    assert not await store.renew_lease(job.id, attempt_id)
+    assert kinds(await events(db, job.id)) == ["Claimed", "DeliveryAuthorized", "RequeuedByRecovery"]
+
+
+@pytest.mark.spec("RI4")
+async def test_a_passed_fence_is_never_taken_back_only_resolved(db, store, recovery, tenant, ended):
+    job, attempt_id = await delivering(store, tenant)
+    assert await store.pass_rename_fence(job.id, attempt_id, None, "worker-a/test", {"step": "rename"})
+    assert await store.pass_rename_fence(job.id, attempt_id, None, "worker-a/test", {"step": "rename"})  # a retry
+    assert await fence(db, job.id) == "passed"
+    await expire(db, job.id)
+    [candidate] = await recovery.nominate(limit=10)
+    assert await recovery.take_back_before_rename(candidate, RUN) is None
+    assert not await recovery.exhaust(job.id, attempt_id, RUN)
+    assert await recovery.resolve(job.id, attempt_id, Status.OUTCOME_UNKNOWN, "no receipt", RUN)
+    assert kinds(await events(db, job.id), evidence_once=True) == [
+        "Claimed", "DeliveryAuthorized", "DeliveryEvidence", "ResolvedByRecovery"]
+
+
+@pytest.mark.spec("RI4")
+async def test_the_fence_and_the_take_back_wait_for_each_other_and_one_wins(db, store, recovery, tenant, app_engine):
+    """Both orders, each through the row lock: the fence holding the row makes the take-back wait, then match
+    nothing (it re-checks the fence on the row it waited for); the take-back holding it makes the fence match
+    nothing."""
+    job, attempt_id = await delivering(store, tenant)
+    await expire(db, job.id)
+    async with held(app_engine, "pass_rename_fence", **fence_params(job, attempt_id)) as (conn, pid):
+        requeue = asyncio.create_task(recovery.requeue(job.id, attempt_id))
+        await blocked_by(db, pid, "RequeuedByRecovery")
+        await conn.commit()
+    assert await asyncio.wait_for(requeue, WAIT) is False
+    assert (await store.read_job(job.id)).status is Status.DELIVERING and await fence(db, job.id) == "passed"
+
+    other, other_attempt = await delivering(store, tenant)
+    await expire(db, other.id)
+    async with held(app_engine, "recovery_requeue", job_id=other.id, expired_attempt_id=other_attempt,
+                    max_attempts=3) as (conn, pid):
+        passing = asyncio.create_task(store.pass_rename_fence(other.id, other_attempt, None, "worker-b/test",
+                                                              {"step": "rename"}))
+        await blocked_by(db, pid, "rename_fence = 'passed'")
+        await conn.commit()
+    assert await asyncio.wait_for(passing, WAIT) is False
+    assert (await store.read_job(other.id)).status is Status.QUEUED and await fence(db, other.id) is None
+
+
+@pytest.mark.spec("RI8")
+async def test_an_open_fence_at_the_cap_ends_attempts_exhausted(db, store, recovery, tenant, ended):
+    job, attempt_id = await delivering(store, tenant)
+    await db.admin.execute("UPDATE export_jobs SET attempt_count = 3 WHERE id = $1", job.id)  # arranged: at the cap
+    await expire(db, job.id)
+    [candidate] = await recovery.nominate(limit=10)
+    assert await recovery.take_back_before_rename(candidate, RUN) == EXHAUSTED
+    row = await store.read_job(job.id)
+    assert (row.status, row.failure_reason, row.attempt_id) == (Status.FAILED, "AttemptsExhausted", attempt_id)
+    assert ended == [Status.FAILED]
+
+
+@pytest.mark.spec("GR1")
+async def test_the_application_cannot_reopen_a_passed_fence_or_open_one_by_hand(db, store, tenant, app_engine):
+    """Reopening a passed fence would let recovery requeue an attempt that may have renamed: refused, as is any
+    write of the fence but the documented ones."""
+    job, attempt_id = await delivering(store, tenant)
+    assert await store.pass_rename_fence(job.id, attempt_id, None, "worker-a/test", {"step": "rename"})
+    queued = await create_job(store, *tenant)
+    for job_id, value in ((job.id, "open"), (job.id, None), (queued, "open"), (queued, "passed")):
+        with pytest.raises(Exception, match="GR1"):
+            async with app_engine.begin() as conn:
+                await conn.execute(text("UPDATE export_jobs SET rename_fence = :value WHERE id = :id"),
+                                   {"value": value, "id": job_id})
+    assert await fence(db, job.id) == "passed" and await fence(db, queued) is None
+
+
+@pytest.mark.spec("GR1")
+async def test_the_application_cannot_take_back_a_fence_it_does_not_hold_open(db, store, tenant, app_engine):
+    """A forged take-back, written as the statement would with its event, of an attempt whose fence is not open (a
+    0.2.0 worker's, which leaves it NULL, or a passed one): refused, since that attempt may have renamed."""
+    for arranged in (None, "passed"):
+        job, attempt_id = await delivering(store, tenant)
+        await db.admin.execute("UPDATE export_jobs SET rename_fence = $2 WHERE id = $1", job.id, arranged)
+        forgeries = {
+            "requeue": "UPDATE export_jobs SET status = 'Queued', attempt_id = NULL, claimed_by = NULL, "
+                       "lease_expires_at = NULL, expected_file_name = NULL, expected_file_bytes = NULL, "
+                       "expected_file_sha256 = NULL, delivery_authorized_at = NULL, rename_fence = NULL "
+                       "WHERE id = :id",
+            "exhaust": "UPDATE export_jobs SET status = 'Failed', failure_reason = 'AttemptsExhausted', "
+                       "lease_expires_at = NULL WHERE id = :id"}
+        kind = {"requeue": "RequeuedByRecovery", "exhaust": "AttemptsExhausted"}
+        for name, forged in forgeries.items():
+            with pytest.raises(Exception, match="GR1"):
+                async with app_engine.begin() as conn:
+                    await conn.execute(text(forged), {"id": job.id})
+                    await conn.execute(text(
+                        "INSERT INTO export_attempt_events (job_id, attempt_id, kind, recorded_at) "
+                        "VALUES (:id, :attempt, :kind, clock_timestamp())"),
+                        {"id": job.id, "attempt": attempt_id, "kind": kind[name]})
+        assert (await store.read_job(job.id)).status is Status.DELIVERING and await fence(db, job.id) == arranged

@@ -10,6 +10,8 @@ authority for every assertion; the workflow's history only shows which activitie
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import signal
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -320,8 +322,9 @@ async def test_crash_after_receipt_before_terminal_write__recovery_records_compl
 
 @pytest.mark.spec("LV6")
 async def test_killed_after_cutoff_2_committed__the_run_reads_the_settled_row_within_a_lease(crash_harness):
-    """Cutoff 2 committed, then its worker died before the step answered. Recovery settles the row after the lease;
-    the run must see that within about a lease, not after the step's whole start-to-close timeout (60 s)."""
+    """Cutoff 2 committed, then its worker died before the step answered. Recovery takes the attempt back after the
+    lease (it never passed its rename fence); the run must see that within about a lease, not after the step's whole
+    start-to-close timeout (60 s), and deliver on a second attempt."""
     h = crash_harness
     async with processes(h) as started:
         crashing = await start_worker(started, h, hold_at="after_cutoff_2")
@@ -333,21 +336,66 @@ async def test_killed_after_cutoff_2_committed__the_run_reads_the_settled_row_wi
         await start_worker(started, h)  # a survivor for the workflow and recovery
         await wait_lease_expired(h, job_id)
         report = await asyncio.wait_for(run_recovery(h.client, h.settings), timeout=30)
-        assert recorded_for(report, job_id) == ["ResolvedByRecovery"]
+        assert recorded_for(report, job_id) == ["RequeuedByRecovery"]
         settled_at = asyncio.get_running_loop().time()
         handle = h.client.get_workflow_handle(export_workflow_id(job_id), result_type=ExportResult)
         result = await asyncio.wait_for(handle.result(), timeout=20)
         took = asyncio.get_running_loop().time() - settled_at
 
     row = await h.store.read_job(job_id)
-    assert row.status is Status.OUTCOME_UNKNOWN  # nothing was uploaded, and a paused worker might still upload
-    assert (result.status, took < 3 * h.settings.lease_seconds + 5) == (Status.OUTCOME_UNKNOWN, True), took
-    assert outbound_names(h.partner) == []
+    # Nothing was uploaded and the attempt never passed its rename fence: sent round again, and delivered once.
+    assert row.status is Status.COMPLETED and row.attempt_id != authorized.attempt_id
+    assert (result.status, took < 3 * h.settings.lease_seconds + 5) == (Status.COMPLETED, True), took
+    assert outbound_names(h.partner) == [row.final_name]
     runs = await activity_runs(h, job_id)
-    assert [r.outcome for r in named(runs, "authorize_delivery")] == ["timed_out"]
-    assert not named(runs, "deliver")
+    assert [r.outcome for r in named(runs, "authorize_delivery")] == ["timed_out", "completed"]
+    assert len(named(runs, "deliver")) == 1
     described = await handle.describe()
-    assert described.typed_search_attributes.get(EXPORT_STATUS) == "OutcomeUnknown"
+    assert described.typed_search_attributes.get(EXPORT_STATUS) == "Completed"
+
+
+@pytest.mark.spec("RI4")
+async def test_a_paused_upload_taken_back_by_recovery_never_renames(crash_harness):
+    """The adversary's case for the rename fence: a worker paused (SIGSTOP) with every byte sent, before its rename,
+    past its lease. Recovery takes the attempt back and a second attempt delivers. Woken, the first worker must not
+    rename its temporary file into place: its fence is refused, and the partner holds one file, the second's."""
+    h = crash_harness
+    async with processes(h) as started:
+        paused = await start_worker(started, h, hold_at=checkpoints.BEFORE_RENAME_FENCE)
+        job_id = await h.create()
+        await held_at(h.settings, checkpoints.BEFORE_RENAME_FENCE, job_id)
+        first = await h.store.read_job(job_id)
+        temp_dir = h.partner.root / "incoming-tmp"
+        assert first.status is Status.DELIVERING and len(list(temp_dir.iterdir())) == 1  # every byte is there
+        assert paused.process is not None
+        paused.process.send_signal(signal.SIGSTOP)
+        try:
+            await wait_lease_expired(h, job_id)
+            await start_worker(started, h)
+            report = await asyncio.wait_for(run_recovery(h.client, h.settings), timeout=30)
+            assert recorded_for(report, job_id) == ["RequeuedByRecovery"]
+            row = await asyncio.wait_for(h.settled(job_id), timeout=60)
+            assert row.status is Status.COMPLETED and row.attempt_id != first.attempt_id
+        finally:
+            (Path(h.settings.work_dir) / f"release-{checkpoints.BEFORE_RENAME_FENCE}-{job_id}").touch()
+            paused.process.send_signal(signal.SIGCONT)
+        # The woken worker tries its fence, is refused, and removes its temporary file instead of renaming it.
+        await eventually(lambda: asyncio.sleep(0, list(temp_dir.iterdir())), lambda left: left == [], timeout=30,
+                         interval=0.2, what="the woken worker removing its temporary file")
+        refused = await eventually(
+            lambda: events(h.db, job_id),
+            lambda evts: [e for e in evts if e["attempt_id"] == first.attempt_id and e["kind"] == "DeliveryEvidence"
+                          and "rename fence refused" in e["detail"]],
+            timeout=30, interval=0.2, what="the woken worker's evidence that its fence was refused")
+        assert refused  # the first worker did come back and try: the interleaving happened
+
+    assert outbound_names(h.partner) == [row.final_name]
+    delivered = (h.partner.root / "outbound" / row.final_name).read_bytes()
+    assert hashlib.sha256(delivered).digest() == row.expected_file_sha256
+    assert (await h.store.read_job(job_id)).status is Status.COMPLETED  # the late attempt changed nothing
+    renames = [e["attempt_id"] for e in await events(h.db, job_id)
+               if e["kind"] == "DeliveryEvidence" and '"step": "rename"' in e["detail"]]
+    assert renames == [row.attempt_id]
 
 
 # --- LV5: a cutoff-2 step that reaches its worker after its bound authorizes nothing ---------------------------

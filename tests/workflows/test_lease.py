@@ -10,7 +10,6 @@ assertion about state is made against the row and its events, and against the pa
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import json
 import logging
@@ -24,7 +23,6 @@ from typing import Any
 import pytest
 
 from activities.checkpoints import AFTER_RECEIPT, BEFORE_CUTOFF_2, BUILD_STARTED
-from starter.client import ExportsClient
 from store.models import AuthorizationResult, Status
 from tests.helpers.events import events, kinds
 from tests.helpers.harness import Harness, run_recovery
@@ -332,7 +330,7 @@ async def test_long_upload_keeps_its_lease_and_completes_not_taken_over(db, stor
 
 
 @pytest.mark.spec("LU2")
-async def test_takeover_during_upload__upload_finishes_evidence_kept_terminal_write_matches_nothing(
+async def test_take_back_during_upload__the_upload_finishes_never_renames_and_the_next_attempt_delivers(
         db, store, client, tmp_path):
     async with AsyncExitStack() as stack:
         proxy = await open_proxy(stack, db)
@@ -349,42 +347,29 @@ async def test_takeover_during_upload__upload_finishes_evidence_kept_terminal_wr
         blocker.start()
         await wait_expired(db, job_id)
         report = await run_recovery(h.client, h.settings)
-        assert [t.recorded for t in report.taken_over if t.job_id == job_id] == ["ResolvedByRecovery"]
+        # Mid-upload, before its rename fence: recovery takes the attempt back rather than call it unknown.
+        assert [t.recorded for t in report.taken_over if t.job_id == job_id] == ["RequeuedByRecovery"]
         blocker_cuts = blocker.cuts
         await blocker.stop()
-        found = await events(db, job_id)
-        resolved = next(e for e in found if e["kind"] == "ResolvedByRecovery")
-        # During the upload: nothing under the final name, no receipt yet, so recovery could only say unknown.
-        assert resolved["detail"].startswith("OutcomeUnknown")
-        assert "receipt" not in [json.loads(e["detail"]).get("step") for e in found if e["kind"] == "DeliveryEvidence"]
-        assert list((h.partner.root / "outbound").iterdir()) == []
+        requeued = next(e for e in await events(db, job_id) if e["kind"] == "RequeuedByRecovery")
 
-        row = await h.settled(job_id)  # the workflow waits for the upload; the upload is not stopped
+        row = await h.settled(job_id)  # the old upload is not stopped; a new attempt delivers
         assert blocker_cuts >= 1
-        assert row.status is Status.OUTCOME_UNKNOWN and row.attempt_id == attempt_id
-        found = await events(db, job_id)
-        worker_evidence = [json.loads(e["detail"]) for e in found if e["kind"] == "DeliveryEvidence"
-                           and e["attempt_id"] == attempt_id and e["recorded_at"] > resolved["recorded_at"]
-                           and not e["observed_by"].startswith("recovery/")]
-        assert [d["step"] for d in worker_evidence] == ["rename", "receipt"]
-        last_look = worker_evidence[-1]["final"]
-        assert last_look["exists"] and last_look["size"] == row.expected_file_bytes
-        assert "Finished" not in kinds(found)  # the terminal write matched nothing
+        assert row.status is Status.COMPLETED and row.attempt_id != attempt_id
         delivers = [r for name, r in await history(h, job_id) if name == "deliver"]
-        assert len(delivers) == 1 and delivers[0]["written"] is False and delivers[0]["outcome"] == "Completed"
-        data = (h.partner.root / "outbound" / row.final_name).read_bytes()
-        assert (len(data), hashlib.sha256(data).digest()) == (row.expected_file_bytes, row.expected_file_sha256)
-
-        # Reconciliation weighs the receipt the attempt appended against the expected file, once.
-        exports = ExportsClient(h.store, h.client, task_queue=h.settings.task_queue,
-                                reconciliation_url=h.settings.reconciliation_database_url)
-        receipt = worker_evidence[-1]["final"]
-        assert await exports.reconcile(tenant_id=h.tenant_id, job_id=job_id, attempt_id=attempt_id,
-                                       outcome="Completed", reconciled_by="ops@example.com",
-                                       evidence=f"receipt of attempt {attempt_id}: {receipt['size']} bytes")
-        row = await h.store.read_job(job_id)
-        assert row.status is Status.COMPLETED
-        assert {"ResolvedByRecovery", "Reconciled"} <= set(kinds(await events(db, job_id)))
+        assert len(delivers) == 2 and delivers[0]["written"] is False  # the old attempt's write matched nothing
+        found = await events(db, job_id)
+        old_evidence = [json.loads(e["detail"]) for e in found if e["kind"] == "DeliveryEvidence"
+                        and e["attempt_id"] == attempt_id and e["recorded_at"] > requeued["recorded_at"]]
+        steps = [d["step"] for d in old_evidence]
+        # The old upload finished its bytes, was refused at its fence, appended that, and never renamed.
+        assert "fresh_listing" in steps and "rename" not in steps and "receipt" not in steps, steps
+        failure = next(d for d in old_evidence if d["step"] == "fresh_listing")
+        assert failure["failed_step"] == "upload" and "rename fence refused" in failure["error"], failure
+        assert kinds(found, attempt_id)[:4] == ["Claimed", "BuildStarted", "DeliveryAuthorized", "DeliveryEvidence"]
+        assert "Finished" not in kinds(found, attempt_id) and "ResolvedByRecovery" not in kinds(found)
+        assert_partner_holds(h.partner, row, only=True)
+        assert list((h.partner.root / "incoming-tmp").iterdir()) == []
 
 
 @pytest.mark.spec("LU2", "PA1")

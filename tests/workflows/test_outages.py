@@ -33,7 +33,7 @@ from tests.helpers.events import events
 from tests.helpers.faults import fault_proxy
 from tests.helpers.harness import WorkerProcess, held_at, open_harness, run_recovery
 from tests.helpers.lease import LEASE
-from tests.helpers.partner import outbound_names
+from tests.helpers.partner import assert_partner_holds, outbound_names
 from tests.helpers.support import create_job, eventually, seed_tenant
 
 BOUND = 60.0
@@ -106,7 +106,7 @@ async def test_a_worker_started_while_postgresql_and_temporal_are_away_waits_and
 
 async def postgres_away_from_the_first_write(h, pg) -> tuple[asyncio.Event, asyncio.Event]:
     """A read-back contract, and the worker's PostgreSQL (through `pg`) gone from the upload's first write on: the
-    outage's start, and the rename's."""
+    outage's start, and the rename's (which waits for the database: its fence is a write on the row)."""
     await h.db.admin.execute("UPDATE destinations SET hash_evidence = 'read_back' WHERE id = $1", h.destination_id)
     outage, renamed = asyncio.Event(), asyncio.Event()
 
@@ -126,19 +126,19 @@ async def postgres_away_from_the_first_write(h, pg) -> tuple[asyncio.Event, asyn
 @pytest.mark.spec("OU3")
 async def test_an_upload_that_finishes_during_a_postgresql_outage_is_recorded_with_its_evidence_afterwards(
         db, store, client, tmp_path):
-    """PostgreSQL goes away as the upload begins and stays away for three leases after the rename: the receipt
-    and the terminal write wait for it, in order, and the delivered file ends Completed by sha256, recorded by
-    the attempt itself (no recovery runs here)."""
+    """PostgreSQL goes away as the upload begins and stays away for three leases: the rename waits for it (its
+    fence is a write on the row), then the receipt and the terminal write, in order, and the delivered file ends
+    Completed by sha256, recorded by the attempt itself (no recovery runs here)."""
     async with crash_world(db, store, client, tmp_path, upload_throttle_bytes_per_second=8000) as h, \
             processes(h) as started, fault_proxy(db.server) as pg:
         outage, renamed = await postgres_away_from_the_first_write(h, pg)
         worker = await WorkerProcess(h.settings, database_url=pg.url("exports_app", db.name)).start()
         started.append(worker)
         job_id = await h.create()
-        await asyncio.wait_for(renamed.wait(), timeout=BOUND)
-        assert outage.is_set()  # the outage began with the upload, and the rename came during it
+        await asyncio.wait_for(outage.wait(), timeout=BOUND)
         await asyncio.sleep(3 * LEASE)  # the upload is done; the lease lapses meanwhile
-        assert pg.refused >= 1  # the worker did try: renewals, evidence, the terminal write
+        assert pg.refused >= 1  # the worker did try: renewals, evidence, the rename fence
+        assert not renamed.is_set()  # no rename without its fence
         assert (await h.store.read_job(job_id)).status is Status.DELIVERING
         pg.accept_new_connections()
         row = await eventually(lambda: h.store.read_job(job_id), lambda r: r.status.is_settled,
@@ -152,47 +152,51 @@ async def test_an_upload_that_finishes_during_a_postgresql_outage_is_recorded_wi
     assert steps == ["Claimed", "BuildStarted", "DeliveryAuthorized", "baseline", "rename", "receipt",
                      "Finished"], steps
     log = worker.log_path.read_text()
-    assert "kept for later" in log and log.count("Traceback") == 0, log[-3000:]
+    # The rename waited at its fence for the database, one line a try, and nothing failed.
+    assert "the rename fence of" in log and log.count("Traceback") == 0, log[-3000:]
 
 
 @pytest.mark.spec("OU3")
 async def test_an_outage_past_the_lease_with_recovery_running_ends_a_delivered_file_completed(
         db, store, client, tmp_path):
     """The worker alone is cut off from PostgreSQL as its upload begins, for well past its lease, while recovery,
-    which still reaches the database, runs again and again: it takes the attempt over once the lease lapses, and
-    must settle it from its own look (the file, by sha256), never OutcomeUnknown for want of a renewal. Back, the
-    worker writes its evidence and its terminal write matches nothing."""
+    which still reaches the database, runs again and again: it takes the attempt back once the lease lapses (its
+    upload waits at its rename fence), once, never OutcomeUnknown for want of a renewal. Back, the worker is refused
+    at its fence, never renames, writes its evidence, and its terminal write matches nothing; a new attempt
+    delivers the file."""
     async with crash_world(db, store, client, tmp_path, upload_throttle_bytes_per_second=8000) as h, \
             processes(h) as started, fault_proxy(db.server) as pg, recovery_only_worker(h) as recovery_queue:
         outage, renamed = await postgres_away_from_the_first_write(h, pg)
         worker = await WorkerProcess(h.settings, database_url=pg.url("exports_app", db.name)).start()
         started.append(worker)
         job_id = await h.create()
-        await asyncio.wait_for(renamed.wait(), timeout=BOUND)
+        await asyncio.wait_for(outage.wait(), timeout=BOUND)
         recorded: list[str | None] = []
         outage_ends = time.monotonic() + 5 * LEASE
         while time.monotonic() < outage_ends:  # recovery every half lease, all through the outage
             recorded += recorded_for(await recover_on(h, recovery_queue), job_id)
             await asyncio.sleep(LEASE / 2)
-        assert recorded == ["ResolvedByRecovery"], recorded  # taken over once the lease lapsed, once
-        assert pg.refused >= 1
+        assert recorded == ["RequeuedByRecovery"], recorded  # taken back once the lease lapsed, once
+        assert pg.refused >= 1 and not renamed.is_set()
+        first = await db.admin.fetchval("SELECT attempt_id FROM export_attempt_events WHERE job_id = $1 "
+                                        "AND kind = 'RequeuedByRecovery'", job_id)
         pg.accept_new_connections()
         await eventually(lambda: asyncio.sleep(0, worker.log_path.read_text()),
                          lambda text: "matched nothing" in text, timeout=BOUND, interval=0.2,
                          what="the worker's terminal write, back from the outage")
+        row = await eventually(lambda: h.store.read_job(job_id), lambda r: r.status.is_settled,
+                               timeout=BOUND, interval=0.2, what="the export settled by a new attempt")
 
-    row = await h.store.read_job(job_id)
-    assert (row.status, row.confirmed_by) == (Status.COMPLETED, "sha256"), row
-    resolved = await db.admin.fetchval("SELECT detail FROM export_attempt_events WHERE job_id = $1 "
-                                       "AND kind = 'ResolvedByRecovery'", job_id)
-    assert resolved.startswith("Completed: look") and "sha256" in resolved, resolved
-    # The baseline came before the outage; the rest of the worker's evidence, written after the database came
-    # back, is kept after recovery's look, without a holder (the attempt no longer held the row).
+    assert (row.status, row.confirmed_by) == (Status.COMPLETED, "sha256") and row.attempt_id != first, row
+    assert_partner_holds(h.partner, row, only=True)
+    # The first attempt's baseline came before the outage; the rest of its evidence, written after the database
+    # came back, is kept without a holder (the attempt no longer held the row), and it never renamed.
     evidence = await db.admin.fetch("SELECT detail, worker_id FROM export_attempt_events WHERE job_id = $1 AND "
-                                    "kind = 'DeliveryEvidence' ORDER BY id", job_id)
+                                    "attempt_id = $2 AND kind = 'DeliveryEvidence' ORDER BY id", job_id, first)
     steps = [(json.loads(e["detail"])["step"], e["worker_id"] is not None) for e in evidence]
-    assert steps == [("baseline", True), ("recovery_look", False), ("rename", False), ("receipt", False)], steps
-    assert "Finished" not in [e["kind"] for e in await events(db, job_id)]
+    assert steps[0] == ("baseline", True) and ("fresh_listing", False) in steps, steps
+    assert "rename" not in [step for step, _ in steps] and "receipt" not in [step for step, _ in steps], steps
+    assert "Finished" not in [e["kind"] for e in await events(db, job_id) if e["attempt_id"] == first]
 
 
 @contextlib.asynccontextmanager

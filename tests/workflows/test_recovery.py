@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from contextlib import AsyncExitStack
 from datetime import UTC, datetime
 
 import pytest
-from temporalio.api.enums.v1 import EventType
 
 from starter.schedules import (
     FOLLOW_UP_SCHEDULE,
@@ -18,9 +18,10 @@ from starter.schedules import (
 )
 from store.models import Status
 from tests.helpers.crash import lease_expired
+from tests.helpers.events import events, kinds
 from tests.helpers.harness import Harness, WorkerProcess, held_at, open_harness, run_recovery, stranded_in_queued
+from tests.helpers.partner import outbound_names
 from tests.helpers.support import eventually
-from workflows.identity import export_workflow_id
 
 SCHEDULES = {RECOVERY_SCHEDULE: "RecoveryWorkflow", SWEEPER_SCHEDULE: "SweeperWorkflow",
              PARTNER_SWEEP_SCHEDULE: "PartnerSweepWorkflow", FOLLOW_UP_SCHEDULE: "EvidenceFollowUpWorkflow"}
@@ -69,13 +70,17 @@ async def test_schedules__installed_twice_changes_nothing_and_they_run(harness: 
 
 
 @pytest.mark.spec("RI4")
-async def test_crash_after_cutoff_2_before_upload_ends_outcome_unknown_never_a_second_upload(crash_harness):
+async def test_crash_after_cutoff_2_before_upload_is_sent_round_again_never_a_second_upload(crash_harness):
+    """The worker dies after cutoff 2, before it sends a byte. Its attempt never passed its rename fence, so it never
+    renamed and, once recovery takes it back, never can: recovery requeues it (it used to end OutcomeUnknown, a
+    ticket for a person) and a second attempt delivers the file, once."""
     h = crash_harness
     crashing = await WorkerProcess(h.settings, hold_at="before_upload").start()
     try:
         job_id = await h.create()
         await held_at(h.settings, "before_upload", job_id)
-        assert (await h.store.read_job(job_id)).status is Status.DELIVERING
+        first = await h.store.read_job(job_id)
+        assert first.status is Status.DELIVERING
         crashing.kill()
         await eventually(lambda: lease_expired(h, job_id), bool, timeout=20, what="the dead worker's lease expired")
     finally:
@@ -83,16 +88,19 @@ async def test_crash_after_cutoff_2_before_upload_ends_outcome_unknown_never_a_s
     survivor = await WorkerProcess(h.settings).start()
     try:
         report = await run_recovery(h.client, h.settings)
-        assert [t.recorded for t in report.taken_over if t.job_id == job_id] == ["ResolvedByRecovery"]
+        assert [t.recorded for t in report.taken_over if t.job_id == job_id] == ["RequeuedByRecovery"]
         row = await h.settled(job_id)
     finally:
         await survivor.stop()
-    assert row.status is Status.OUTCOME_UNKNOWN  # no receipt, and an absent file proves nothing
-    assert list((h.partner.root / "outbound").iterdir()) == []
-    history = await h.client.get_workflow_handle(export_workflow_id(job_id)).fetch_history()
-    delivers = [e for e in history.events if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
-                and e.activity_task_scheduled_event_attributes.activity_type.name == "deliver"]
-    assert len(delivers) == 1
+    assert row.status is Status.COMPLETED and row.attempt_id != first.attempt_id and row.attempt_count == 2
+    # Completed only on destination evidence: the one file at the partner is the second attempt's, byte for byte.
+    assert outbound_names(h.partner) == [row.final_name]
+    delivered = (h.partner.root / "outbound" / row.final_name).read_bytes()
+    assert hashlib.sha256(delivered).digest() == row.expected_file_sha256 == first.expected_file_sha256
+    evts = await events(h.db, job_id)
+    assert kinds(evts, first.attempt_id) == ["Claimed", "BuildStarted", "DeliveryAuthorized", "RequeuedByRecovery"]
+    renames = [e["attempt_id"] for e in evts if e["kind"] == "DeliveryEvidence" and '"step": "rename"' in e["detail"]]
+    assert renames == [row.attempt_id]  # only the second attempt passed its fence
 
 
 @pytest.mark.spec("TW3", "SW1")

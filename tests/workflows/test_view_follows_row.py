@@ -83,8 +83,9 @@ async def test_terminated_during_the_upload__the_next_run_says_completed(slow_up
 
 @pytest.mark.spec("FG2")
 async def test_terminated_then_its_worker_killed_after_cutoff_2__recovery_makes_the_next_run_say_so(crash_harness):
-    """Cutoff 2 committed, the run terminated, the worker killed before it sent a byte. Recovery resolves the row
-    OutcomeUnknown, and its statement wakes the export: a new run says OutcomeUnknown."""
+    """Cutoff 2 committed, the run terminated, the worker killed before it sent a byte. Recovery takes the attempt
+    back (it never passed its rename fence), and its statement wakes the export: a new run delivers it and says
+    Completed."""
     h = crash_harness
     async with processes(h) as started:
         crashing = await start_worker(started, h, hold_at="before_upload")
@@ -96,11 +97,12 @@ async def test_terminated_then_its_worker_killed_after_cutoff_2__recovery_makes_
         await start_worker(started, h)
         await wait_lease_expired(h, job_id)
         report = await asyncio.wait_for(run_recovery(h.client, h.settings), timeout=BOUND)
-        assert recorded_for(report, job_id) == ["ResolvedByRecovery"]
-        assert (await h.store.read_job(job_id)).status is Status.OUTCOME_UNKNOWN
+        assert recorded_for(report, job_id) == ["RequeuedByRecovery"]
         assert await terminated_showing(h, job_id, first) == "Delivering"
-        await latest_tells(h, job_id, Status.OUTCOME_UNKNOWN, not_run=first)
-    assert outbound_names(h.partner) == []
+        await latest_tells(h, job_id, Status.COMPLETED, not_run=first)
+    row = await h.store.read_job(job_id)
+    assert row.status is Status.COMPLETED and row.attempt_count == 2
+    assert outbound_names(h.partner) == [row.final_name]
 
 
 @pytest.mark.spec("LV7", "FG2")

@@ -24,7 +24,7 @@ Revises: 0008
 
 from __future__ import annotations
 
-from alembic import op
+from store.migrations.steps import Edits, edit_function, execute_each
 
 revision = "0009"
 down_revision = "0008"
@@ -47,21 +47,8 @@ GR2 = (("SELECT j.status, j.attempt_id, j.claimed_by, j.failure_reason,",
         "\n            WHEN 'Corrected' THEN"))
 
 
-def _edit_function(name: str, edits: tuple[tuple[str, str], ...], *, undo: bool = False) -> str:
-    """A DO block that makes each edit (old text -> new, or back with `undo`) in a function's definition, refusing
-    if a text to replace is not in it."""
-    steps = "".join(f"""
-    IF position($old${old}$old$ IN definition) = 0 THEN
-        RAISE EXCEPTION 'migration 0009: {name} is not the function it expects';
-    END IF;
-    definition := replace(definition, $old${old}$old$, $new${new}$new$);"""
-                    for old, new in ((n, o) if undo else (o, n) for o, n in edits))
-    return f"""
-DO $migration$
-DECLARE definition text := pg_get_functiondef('public.{name}'::regproc);
-BEGIN{steps}
-    EXECUTE definition;
-END $migration$"""
+def _edit_function(name: str, edits: Edits, *, undo: bool = False) -> str:
+    return edit_function("0009", name, edits, undo=undo)
 
 
 def _kinds(kinds: str) -> str:
@@ -105,10 +92,8 @@ WHERE kind = 'ConfirmedByFollowUp'""",
 
 
 def upgrade() -> None:
-    for sql in UPGRADE:
-        op.execute(sql)
+    execute_each(UPGRADE)
 
 
 def downgrade() -> None:
-    for sql in DOWNGRADE:
-        op.execute(sql)
+    execute_each(DOWNGRADE)
