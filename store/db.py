@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
 import socket
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
 from typing import Any
-from urllib.parse import urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg
 from alembic import command
@@ -27,6 +28,8 @@ from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection
 
 from store import errors, urls
 from store.settings import Settings
+
+log = logging.getLogger(__name__)
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 
@@ -98,7 +101,7 @@ def make_engine(url: str, *, pool_size: int = 5, max_overflow: int | None = None
         # sslrootcert, sslcert or passfile: the whole URL goes as asyncpg's DSN instead, which reads them all.
         kept = {key: cparams[key] for key in _DIALECT_PARAMS if key in cparams}
         cparams.clear()
-        cparams.update(kept, dsn=dsn, **bounds.connect_kwargs())
+        cparams.update(kept, dsn=dsn, async_creator_fn=connect_each_host, **bounds.connect_kwargs())
 
     @event.listens_for(engine.sync_engine, "connect")
     def _keepalives(dbapi_connection: DBAPIConnection, connection_record: ConnectionPoolEntry) -> None:
@@ -167,12 +170,35 @@ def asyncpg_dsn(url: str) -> str:
     return urlunsplit(parts._replace(query=urlencode(params, safe=urls.QUERY_SAFE)))
 
 
+# Failures after which libpq tries a URL's next host: nothing answered in time, the network refused, or the server
+# is not the kind asked for (a standby when read-write is wanted) or cannot take connections yet.
+_NEXT_HOST = (OSError, TimeoutError, asyncpg.TargetServerAttributeNotMatched, asyncpg.CannotConnectNowError)
+
+
+async def connect_each_host(dsn: str, *, timeout: float, **kwargs: Any) -> asyncpg.Connection:
+    """asyncpg.connect() with `timeout` for each host of the DSN in turn, as libpq's connect_timeout is: asyncpg's
+    own timeout covers all the hosts at once, so a first host that accepts and never answers (a primary gone
+    silent after a failover) would use it all up and the promoted standby never be tried. The first host that
+    answers as `target_session_attrs` asks wins; otherwise the last host's error is raised. `prefer-standby`,
+    which weighs every host before choosing, is left to asyncpg."""
+    candidates = urls.each_host(dsn)
+    if len(candidates) == 1 or ("target_session_attrs", "prefer-standby") in parse_qsl(urlsplit(dsn).query):
+        return await asyncpg.connect(dsn, timeout=timeout, **kwargs)
+    for candidate in candidates[:-1]:
+        try:
+            return await asyncpg.connect(candidate, timeout=timeout, **kwargs)
+        except _NEXT_HOST as exc:
+            log.info("database host %s not taken (%s); trying the next", urls.parse(candidate).hosts[0].spec,
+                     type(exc).__name__)
+    return await asyncpg.connect(candidates[-1], timeout=timeout, **kwargs)
+
+
 async def connect_raw(url: str, bounds: Bounds | None = None) -> asyncpg.Connection:
     """A connection outside the pools (COPY, LISTEN), to a URL or an asyncpg DSN, with `bounds` (the settings'
     defaults when None) and keepalives."""
     bounds = Bounds.defaults() if bounds is None else bounds
-    conn: asyncpg.Connection = await asyncpg.connect(asyncpg_dsn(url), timeout=bounds.connect_seconds,
-                                                     command_timeout=bounds.statement_seconds)
+    conn: asyncpg.Connection = await connect_each_host(asyncpg_dsn(url), timeout=bounds.connect_seconds,
+                                                       command_timeout=bounds.statement_seconds)
     try:
         keep_alive(conn, bounds.tcp_user_timeout_seconds)
     except BaseException:

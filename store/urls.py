@@ -121,6 +121,24 @@ def parse(url: str) -> DatabaseUrl:
                        ports=ports, query=query, respell=respell)
 
 
+def each_host(url: str) -> list[str]:
+    """The URL once per host it names, in order, each naming that host alone (as ?host=, with its port), every other
+    parameter kept: for a connect that gives each host its own timeout, as libpq's connect_timeout does. A URL
+    with one host or none, as it is."""
+    parsed = parse(url)
+    if len(parsed.hosts) <= 1:
+        return [url]
+    out = []
+    for number, host in enumerate(parsed.hosts):
+        params = [("host", host.address)]
+        port = host.port if host.port is not None else (
+            parsed.ports[number] if len(parsed.ports) > 1 else parsed.ports[0] if parsed.ports else None)
+        if port is not None:
+            params.append(("port", str(port)))
+        out.append(f"{parsed.base()}?{urlencode([*params, *parsed.other_params()], safe=QUERY_SAFE)}")
+    return out
+
+
 def sqlalchemy_url(url: str) -> str:
     """The URL as SQLAlchemy's asyncpg dialect parses it without error: as written with one host, else with the
     hosts as ?host=h1,h2&port=p1,p2 (every port given: the dialect requires it). SQLAlchemy only parses it, for

@@ -84,14 +84,15 @@ class LocalPostgres:
                 log.warning("pg_ctl stop failed: %s", exc)
             self._server = None
         if self.pid is not None:
-            _stop_pid(self.pid)
+            stop_pid(self.pid)
             self.pid = None
 
 
-def _stop_pid(pid: int, timeout: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL if the process outlives the timeout."""
+def stop_pid(pid: int, timeout: float = 10.0, first: signal.Signals = signal.SIGTERM) -> None:
+    """`first` (SIGTERM; for a PostgreSQL server SIGINT is its fast shutdown), then SIGKILL if the process outlives
+    the timeout."""
     try:
-        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, first)
     except ProcessLookupError:
         return
     deadline = time.monotonic() + timeout

@@ -23,7 +23,7 @@ import pytest
 from sqlalchemy import text
 
 from starter.localstack.ports import free_port
-from starter.localstack.postgres import LocalPostgres, _stop_pid
+from starter.localstack.postgres import LocalPostgres, stop_pid
 from store.db import asyncpg_dsn, connect_raw, make_engine, migrate
 from store.settings import Settings
 
@@ -120,7 +120,7 @@ def private_cluster(*, tls: bool, binaries: Path | None = None) -> Iterator[TcpC
                                capture_output=True, timeout=RUN_TIMEOUT, **run_as)
         finally:
             if pid is not None:
-                _stop_pid(pid)  # whatever pg_ctl managed
+                stop_pid(pid)  # whatever pg_ctl managed
             shutil.rmtree(root, ignore_errors=True)
 
 

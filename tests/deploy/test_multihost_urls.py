@@ -276,3 +276,21 @@ async def test_a_worker_given_a_multi_host_url_it_cannot_read_whole_exits_2_nami
     assert "Traceback" not in log and "polling" not in log, log
     problems = [line for line in log.splitlines() if "EXPORTS_DATABASE_URL" in line]
     assert len(problems) == 1 and THE_FORM_THAT_WORKS in problems[0], log
+
+
+@pytest.mark.spec("PT5")
+def test_each_host__every_form_gives_each_host_alone_with_its_port_and_the_other_parameters():
+    """The URLs a connect tries one host at a time (store/db.py, connect_each_host), from each multi-host form."""
+    expected = ["postgresql://u@/db?host=a&port=5433&target_session_attrs=read-write",
+                "postgresql://u@/db?host=b&port=5434&target_session_attrs=read-write"]
+    for url in ("postgresql://u@a:5433,b:5434/db?target_session_attrs=read-write",
+                "postgresql://u@/db?host=a,b&port=5433,5434&target_session_attrs=read-write",
+                "postgresql://u@/db?host=a:5433&host=b:5434&target_session_attrs=read-write",
+                "postgresql://u@/db?host=a:5433,b:5434&target_session_attrs=read-write"):
+        assert urls.each_host(url) == expected, url
+    assert urls.each_host("postgresql://u@/db?host=a,b&port=5433&sslmode=require") == [
+        "postgresql://u@/db?host=a&port=5433&sslmode=require", "postgresql://u@/db?host=b&port=5433&sslmode=require"]
+    assert urls.each_host("postgresql://u@/db?host=/run/a,/run/b") == [
+        "postgresql://u@/db?host=/run/a", "postgresql://u@/db?host=/run/b"]
+    one = "postgresql://u@a:5433/db?sslmode=require"
+    assert urls.each_host(one) == [one]
