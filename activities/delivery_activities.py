@@ -29,6 +29,13 @@ from store.models import AuthorizationResult, FailureCode, JobRow, Status
 log = logging.getLogger(__name__)
 
 
+def hands_back(result: DeliveryResult) -> bool:
+    """Whether a delivery that ended without its rename hands its attempt back rather than end the export
+    OutcomeUnknown: it did not deliver, but cannot tell how the final name looks (no fresh listing) or why (a file
+    there that is not its own). A proven NotDelivered is an outcome the evidence gives, and stands."""
+    return result.before_rename and result.outcome == "OutcomeUnknown"
+
+
 class DeliveryActivities(ExportActivitiesBase):
     @activity.defn
     @attempt_step
@@ -179,6 +186,8 @@ class DeliveryActivities(ExportActivitiesBase):
                         ))
                         if not await self._try_again(result, number, lease, record_evidence, job.id, attempt_id):
                             break
+                if hands_back(result) and file.holder is not None and job.replaces_job_id is None:
+                    return await self._hand_back(job.id, attempt_id, file.holder, result, lease, evidence)
                 await self.checkpoints.reached(checkpoints.AFTER_RECEIPT, job.id)
                 outcome = Status(result.outcome)
                 failure = FailureCode(result.failure_reason) if result.failure_reason else None
@@ -204,6 +213,23 @@ class DeliveryActivities(ExportActivitiesBase):
                         job.id, attempt_id)
         return DeliverOutput(outcome=outcome, failure_reason=failure, summary=result.summary, written=written,
                              row=await self._row_after(job.id) if written else None)
+
+    async def _hand_back(self, job_id: UUID, attempt_id: UUID, holder: str, result: DeliveryResult,
+                         lease: LeaseKeeper, evidence: EvidenceLog) -> DeliverOutput:
+        """No terminal write: the lease ends now, with the rename fence still open, so recovery's next run takes the
+        attempt back and the export goes round again (up to its attempt cap), as after a lost worker. Best effort:
+        if the database does not take it, the lease lapses on its own, the keeper being stopped."""
+        summary = f"handed back, the rename never sent: {result.summary}"
+        log.warning("export %s attempt %s: %s", job_id, attempt_id, summary)
+        await lease.finish()
+        try:
+            await evidence.record({"step": "handed_back", "why": result.summary})
+            await evidence.flush()
+            await self.store.release_lease(job_id, attempt_id, holder)
+        except Exception as exc:  # noqa: BLE001 - the lease lapses by itself: recovery takes the attempt back then
+            log.warning("export %s attempt %s: handing back left to the lease's lapse: %s", job_id, attempt_id,
+                        errors.describe(exc))
+        return DeliverOutput(summary=summary, written=False)
 
     async def _try_again(self, result: DeliveryResult, number: int, lease: LeaseKeeper,
                          record_evidence: Callable[[dict[str, Any]], Awaitable[None]], job_id: UUID,

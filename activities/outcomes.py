@@ -73,6 +73,9 @@ class DeliveryResult(BaseModel):
     # Not delivered, proven (nothing written, or a fresh listing shows the final name untouched after a failure
     # before the rename was sent), by a fault that may pass (a cut, a timeout): the attempt may try again.
     retry_safe: bool = False
+    # Failed before its rename request was sent (connect, baseline, upload, or refused at its rename fence): whatever
+    # is at the final name, this attempt did not put it there.
+    before_rename: bool = False
 
 
 class Verdict(NamedTuple):

@@ -204,8 +204,9 @@ async def _after_failure(
     timeout: float,
 ) -> DeliveryResult:
     logger.warning("delivery of %s to %s failed at step %s: %s", final_path, dest.host, step, describe(exc))
+    before_rename = {"before_rename": step in (*NOTHING_WRITTEN_YET, "upload")}
     if step in NOTHING_WRITTEN_YET:
-        result = _retry_safe_if_transient(classify(exc, step, None), exc)
+        result = _retry_safe_if_transient(classify(exc, step, None), exc).model_copy(update=before_rename)
         await _record_quietly(record_evidence, {
             "step": "failure", "failed_step": step, "error": describe(exc),
             "outcome": result.outcome, "failure_reason": result.failure_reason,
@@ -214,7 +215,7 @@ async def _after_failure(
     settled = outcomes.temp_file_removable(exc, step)
     listing, listing_error, removed = await _fresh_listing_and_cleanup(dest, final_path, temp_path, timeout,
                                                                        remove_temp=settled)
-    result = classify(exc, step, listing)
+    result = classify(exc, step, listing).model_copy(update=before_rename)
     if step == "upload" and settled:
         result = _retry_safe_if_transient(result, exc)
     await _record_quietly(record_evidence, {
