@@ -293,8 +293,14 @@ class JobStore(RoleStore):
         if written.unanswered is not None:
             raise written.unanswered
         row = written.row
-        return (row is not None and row["status"] == Status.DELIVERING.value and row["attempt_id"] == attempt_id
-                and (holder is None or row["claimed_by"] == holder) and row["rename_fence"] == "passed")
+        if row is None or row["status"] != Status.DELIVERING.value or row["attempt_id"] != attempt_id or (
+                holder is not None and row["claimed_by"] != holder):
+            return False  # the row moved on: taken back (or finished) meanwhile
+        if row["rename_fence"] == "passed":
+            return True
+        # Still this attempt's, the fence still open: the lost write never committed. Not a refusal: try it again.
+        raise ConnectionError(f"the rename fence of {job_id} attempt {attempt_id} was not written (its answer was "
+                              "lost before it committed)")
 
     async def authorize_delivery(self, job: JobRow, attempt_id: UUID, file: BuiltFile, *,
                                  not_after: datetime | None = None) -> AuthorizationResult:

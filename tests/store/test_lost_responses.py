@@ -442,3 +442,28 @@ async def test_a_pooled_connection_the_server_closed_is_replaced_before_a_write_
     assert proxy.accepted == 2  # the closed connection was replaced, not used
     assert not [r for r in caplog.records if "uncertain" in r.getMessage()], caplog.text
     assert (await store.read_job(job_id)).status is Status.RUNNING
+
+
+@pytest.mark.spec("RI4", "LR2")
+async def test_rename_fence_cut_before_the_server__not_a_refusal_but_an_error_to_try_again(db, store, proxy, faulty):
+    """The fence's write never reached the server and the re-read finds the attempt still holding its row with the
+    fence open: that is no refusal (recovery took nothing back), so the upload must try again, not give up its
+    rename (it once did, ending a delivery Failed/NotDelivered for a blip). Then it passes."""
+    job_id, attempt_id = await _arrange_terminal(db, store, "delivery")
+    await warm(faulty, proxy, job_id)
+    cut = proxy.cut_before("rename_fence = 'passed'")
+    with pytest.raises(ConnectionError, match="was not written") as raised:
+        await bounded(faulty.pass_rename_fence(job_id, attempt_id, None, "worker-a/test", {"step": "rename"}))
+    assert cut.is_set() and errors.is_transient(raised.value)
+    assert await db.admin.fetchval("SELECT rename_fence FROM export_jobs WHERE id = $1", job_id) == "open"
+    assert await bounded(faulty.pass_rename_fence(job_id, attempt_id, None, "worker-a/test", {"step": "rename"}))
+
+
+@pytest.mark.spec("RI4", "LR2")
+async def test_rename_fence_cut_after_commit__the_reread_says_passed(db, store, proxy, faulty):
+    job_id, attempt_id = await _arrange_terminal(db, store, "delivery")
+    await warm(faulty, proxy, job_id)
+    cut = proxy.cut_after_commit("rename_fence = 'passed'")
+    assert await bounded(faulty.pass_rename_fence(job_id, attempt_id, None, "worker-a/test", {"step": "rename"}))
+    assert cut.is_set()
+    assert await db.admin.fetchval("SELECT rename_fence FROM export_jobs WHERE id = $1", job_id) == "passed"
