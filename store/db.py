@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import asyncpg
 from alembic import command
@@ -181,16 +181,16 @@ async def connect_each_host(dsn: str, *, timeout: float, **kwargs: Any) -> async
     silent after a failover) would use it all up and the promoted standby never be tried. The first host that
     answers as `target_session_attrs` asks wins; otherwise the last host's error is raised. `prefer-standby`,
     which weighs every host before choosing, is left to asyncpg."""
-    candidates = urls.each_host(dsn)
-    if len(candidates) == 1 or ("target_session_attrs", "prefer-standby") in parse_qsl(urlsplit(dsn).query):
+    parsed = urls.parse(dsn)
+    if len(parsed.hosts) <= 1 or ("target_session_attrs", "prefer-standby") in parsed.other_params():
         return await asyncpg.connect(dsn, timeout=timeout, **kwargs)
-    for candidate in candidates[:-1]:
+    *earlier, (_, last) = parsed.one_host_each()
+    for host, candidate in earlier:
         try:
             return await asyncpg.connect(candidate, timeout=timeout, **kwargs)
         except _NEXT_HOST as exc:
-            log.info("database host %s not taken (%s); trying the next", urls.parse(candidate).hosts[0].spec,
-                     type(exc).__name__)
-    return await asyncpg.connect(candidates[-1], timeout=timeout, **kwargs)
+            log.info("database host %s not taken (%s); trying the next", host.spec, type(exc).__name__)
+    return await asyncpg.connect(last, timeout=timeout, **kwargs)
 
 
 async def connect_raw(url: str, bounds: Bounds | None = None) -> asyncpg.Connection:

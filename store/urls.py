@@ -70,6 +70,18 @@ class DatabaseUrl:
     def other_params(self) -> list[tuple[str, str]]:
         return [(key, value) for key, value in self.query if key not in ("host", "port")]
 
+    def one_host_each(self) -> list[tuple[Host, str]]:
+        """Each host with the URL naming it alone (`each_host`)."""
+        out = []
+        for number, host in enumerate(self.hosts):
+            params = [("host", host.address)]
+            port = host.port if host.port is not None else (
+                self.ports[number] if len(self.ports) > 1 else self.ports[0] if self.ports else None)
+            if port is not None:
+                params.append(("port", str(port)))
+            out.append((host, f"{self.base()}?{urlencode([*params, *self.other_params()], safe=QUERY_SAFE)}"))
+        return out
+
     def base(self, netloc_hosts: str = "") -> str:
         """scheme://[auth@]hosts/path, the hosts as given (default: none)."""
         auth = "" if self.auth is None else f"{self.auth}@"
@@ -126,17 +138,7 @@ def each_host(url: str) -> list[str]:
     parameter kept: for a connect that gives each host its own timeout, as libpq's connect_timeout does. A URL
     with one host or none, as it is."""
     parsed = parse(url)
-    if len(parsed.hosts) <= 1:
-        return [url]
-    out = []
-    for number, host in enumerate(parsed.hosts):
-        params = [("host", host.address)]
-        port = host.port if host.port is not None else (
-            parsed.ports[number] if len(parsed.ports) > 1 else parsed.ports[0] if parsed.ports else None)
-        if port is not None:
-            params.append(("port", str(port)))
-        out.append(f"{parsed.base()}?{urlencode([*params, *parsed.other_params()], safe=QUERY_SAFE)}")
-    return out
+    return [one for _, one in parsed.one_host_each()] if len(parsed.hosts) > 1 else [url]
 
 
 def sqlalchemy_url(url: str) -> str:
