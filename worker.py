@@ -1,7 +1,8 @@
 """The worker process: the export workflow, its activities, and the outbox dispatcher.
 
-It polls two task queues: the shared one (workflows, policy, claims, cancellation requests) and its own, where
-the build, cutoff 2 and the delivery of an attempt it claimed run, next to the file it built.
+It polls three task queues: the shared one (workflows, recovery, cancellation requests), the admission queue
+(policy and the claim, polled only while it has a build slot free: activities/capacity.py), and its own, where the
+build, cutoff 2 and the delivery of an attempt it claimed run, next to the file it built.
 
 SIGTERM (or SIGINT): the worker stops taking tasks; a build hands its attempt back (its lease ends, and the
 workflow resumes it elsewhere at once); an upload in flight has `shutdown_grace_seconds` to end (the SDK's
@@ -24,8 +25,9 @@ from pathlib import Path
 from typing import TypedDict
 
 from temporalio.client import Client
-from temporalio.worker import Interceptor, Worker
+from temporalio.worker import FixedSizeSlotSupplier, Interceptor, Worker, WorkerTuner
 
+from activities.capacity import AdmissionSlots
 from activities.checkpoints import checkpoints_for
 from activities.exports import ExportActivities
 from activities.interceptors import ClassifyStoreErrors
@@ -50,6 +52,7 @@ from store.recovery import Recovery
 from store.settings import Settings, get_settings
 from workflows import patches
 from workflows.export import ExportWorkflow
+from workflows.identity import admission_queue
 from workflows.recovery import (
     EvidenceFollowUpWorkflow,
     PartnerSweepWorkflow,
@@ -104,8 +107,8 @@ async def running_worker(
     recovery = RecoveryActivities(
         store, Recovery(engine, max_attempts=settings.max_attempts, on_ended=metrics.ended), client=client,
         view_window_seconds=settings.recovery_view_window_seconds)
-    # Cancellation reaches an activity only with a heartbeat the SDK sends: keep them frequent (FACTS.md).
-    throttle = timedelta(seconds=settings.heartbeat_throttle_seconds)
+    # The SDK sends a step's heartbeats at most this often whatever the step asks: at the lease's cadence (LD6).
+    throttle = timedelta(seconds=settings.heartbeat_seconds)
     common = WorkerOptions(
         max_heartbeat_throttle_interval=throttle,
         default_heartbeat_throttle_interval=throttle,
@@ -125,7 +128,20 @@ async def running_worker(
         activities=activities.all() + recovery.all(),
         **common,
     )
-    own = Worker(client, task_queue=own_queue, activities=activities.all(), **common)
+    capacity = activities.capacity
+    # Build and upload slots bound the work (activities/capacity.py); the SDK's activity slots on the own queue are
+    # sized so that a step of an attempt never waits for one (it would be taken for a lost worker).
+    own = Worker(client, task_queue=own_queue, activities=activities.all(),
+                 max_concurrent_activities=max(100, 2 * (settings.max_builds + settings.max_uploads)), **common)
+    # Claims, polled only while a build slot is free: a busy worker takes no export (LD1).
+    admission = Worker(
+        client, task_queue=admission_queue(settings.task_queue), activities=[activities.claim_if_allowed],
+        tuner=WorkerTuner.create_composite(
+            workflow_supplier=FixedSizeSlotSupplier(1),
+            activity_supplier=AdmissionSlots(capacity.builds, asyncio.get_running_loop()),
+            local_activity_supplier=FixedSizeSlotSupplier(1),
+            nexus_supplier=FixedSizeSlotSupplier(1)),
+        **common)
     try:
         await scavenge(store, Path(settings.work_dir))
     except Exception as exc:  # the database is away: the periodic pass tries again; never a reason not to start
@@ -134,7 +150,7 @@ async def running_worker(
     dispatcher_task = None
     dispatcher_engine = None
     try:
-        async with shared, own:
+        async with shared, own, admission:
             if with_dispatcher:
                 dispatcher_engine = make_engine(settings.dispatcher_database_url,
                                                 pool_size=settings.dispatcher_pool_size,
@@ -151,18 +167,19 @@ async def running_worker(
                 dispatcher_task = asyncio.create_task(dispatcher.run(stop), name="outbox-dispatcher")
                 dispatcher_task.add_done_callback(lambda task: None if stop.is_set() else _dispatcher_died(task))
                 health.dispatcher = dispatcher_task
-            health.workers = (shared, own)
+            health.workers = (shared, own, admission)
             scavenger = asyncio.create_task(
                 keep_scavenging(store, Path(settings.work_dir), settings.scavenge_interval_seconds),
                 name="scavenger")
-            log.info("worker %s polling %s and %s", worker_id, settings.task_queue, own_queue)
+            log.info("worker %s polling %s, %s and %s (%d builds, %d uploads at once)", worker_id, settings.task_queue,
+                     own_queue, admission_queue(settings.task_queue), settings.max_builds, settings.max_uploads)
             try:
                 yield activities
             finally:
                 log.info("worker %s stops taking tasks; running steps have %g s to end", worker_id,
                          settings.shutdown_grace_seconds)
                 # Both at once: a queue still polled while the other shuts down would take back handed-back work.
-                await asyncio.gather(shared.shutdown(), own.shutdown())
+                await asyncio.gather(shared.shutdown(), own.shutdown(), admission.shutdown())
                 scavenger.cancel()
                 await asyncio.gather(scavenger, return_exceptions=True)
                 health.dispatcher = None  # asked to end: its end is no longer a failure

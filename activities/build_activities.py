@@ -8,6 +8,7 @@ import logging
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
 import asyncssh
@@ -64,7 +65,7 @@ class BuildActivities(ExportActivitiesBase):
         holder = f"{self.worker_id}/{token}"
         # One file per build, so a fenced build never writes the file a later one built.
         path = Path(self.settings.work_dir) / f"{job.id}-{attempt_id}-{token}.csv"
-        progress = {"bytes": 0}
+        progress: dict[str, Any] = {"bytes": 0}
         build_task = asyncio.current_task()
         lost = asyncio.Event()
         lapsing = asyncio.Event()
@@ -107,6 +108,7 @@ class BuildActivities(ExportActivitiesBase):
         shutdown_watch = asyncio.create_task(hand_back_on_shutdown())
         try:
             async with self._heartbeating(lambda: dict(progress)):
+                await self._slot(self.capacity.builds, job.id, attempt_id, progress)
                 refusal = await self._preflight(job, final_name)
                 if refusal is not None:
                     code, why = refusal
@@ -161,7 +163,7 @@ class BuildActivities(ExportActivitiesBase):
                 await lease.finish()
 
     async def _build_with_room(self, job: JobRow, attempt_id: UUID, path: Path,
-                               progress: dict[str, int]) -> tuple[int, str]:
+                               progress: dict[str, Any]) -> tuple[int, str]:
         """The build, tried again while the disk is full (backing off to 30 s) for at most
         `disk_full_patience_seconds`, and while PostgreSQL is away for about a lease; any other failure at once."""
 

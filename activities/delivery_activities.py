@@ -24,16 +24,20 @@ from activities.outcomes import DeliveryResult
 from activities.patience import retry_patiently, run_to_end
 from activities.process import metrics
 from store import errors
-from store.models import AuthorizationResult, FailureCode, JobRow, Status
+from store.models import AuthorizationResult, BuiltFile, FailureCode, JobRow, Status
 
 log = logging.getLogger(__name__)
 
 
-def hands_back(result: DeliveryResult) -> bool:
-    """Whether a delivery that ended without its rename hands its attempt back rather than end the export
-    OutcomeUnknown: it did not deliver, but cannot tell how the final name looks (no fresh listing) or why (a file
-    there that is not its own). A proven NotDelivered is an outcome the evidence gives, and stands."""
-    return result.before_rename and result.outcome == "OutcomeUnknown"
+def hands_back(result: DeliveryResult, job: JobRow, holder: str | None) -> str | None:
+    """The holder under which a delivery that ended without its rename hands its attempt back rather than end the
+    export OutcomeUnknown, or None when it does not: it did not deliver, but cannot tell how the final name looks
+    (no fresh listing) or why (a file there that is not its own). A proven NotDelivered is an outcome the evidence
+    gives, and stands. Only an attempt that holds its row hands back, and only an original's: recovery takes back
+    no replacement (recovery_requeue.sql)."""
+    if result.before_rename and result.outcome == "OutcomeUnknown" and job.replaces_job_id is None:
+        return holder
+    return None
 
 
 class DeliveryActivities(ExportActivitiesBase):
@@ -43,14 +47,22 @@ class DeliveryActivities(ExportActivitiesBase):
         """Cutoff 2, and what its refusal means. The file is removed unless delivery was authorized; the lease is
         handed on to the delivery only then. It heartbeats, so that a worker that dies here is noticed within a
         lease (its heartbeat timeout), not after the step's whole timeout."""
-        async with self._heartbeating(lambda: None):
-            return await self._authorize_delivery(request)
+        details: dict[str, Any] = {}
+        async with self._heartbeating(lambda: dict(details) or None):
+            return await self._authorize_delivery(request, details)
 
-    async def _authorize_delivery(self, request: AuthorizeInput) -> AuthorizeOutput:
+    async def _authorize_delivery(self, request: AuthorizeInput, details: dict[str, Any]) -> AuthorizeOutput:
         job, attempt_id, file = request.job, request.attempt_id, request.file
-        lease = self._keeper(job.id, attempt_id, file.holder)
+        gone = asyncio.Event()
+        lease = self._keeper(job.id, attempt_id, file.holder, gone.set, on_lapsing=gone.set)
         result = AuthorizationResult.UNKNOWN
         try:
+            # Cutoff 2 only with an upload slot held (LD2): an authorized attempt's upload can always start.
+            stopped_waiting = await self._until_upload_slot(job.id, attempt_id, details, gone)
+            if stopped_waiting is not None:
+                result = await self._no_upload_slot(job.id, attempt_id, file, stopped_waiting, lease)
+                remove_local_file(file.path)
+                return AuthorizeOutput(result=result)
             await self.checkpoints.reached(checkpoints.BEFORE_CUTOFF_2, job.id)
             heard = beats()
             not_after = heard.bound() if heard is not None else None
@@ -89,8 +101,49 @@ class DeliveryActivities(ExportActivitiesBase):
                 remove_local_file(file.path)
             return AuthorizeOutput(result=result)
         finally:
+            # Cutoff 2 is decided: the attempt builds no more here (an authorized one holds its upload slot now).
+            self.capacity.builds.release((job.id, attempt_id))
             if result is not AuthorizationResult.AUTHORIZED:
                 await lease.finish()
+
+    async def _until_upload_slot(self, job_id: UUID, attempt_id: UUID, details: dict[str, Any],
+                                 gone: asyncio.Event) -> str | None:
+        """None once the attempt holds an upload slot here; else why it stopped waiting for one: the worker shuts
+        down, or the attempt's lease was lost or is lapsing."""
+        waiting = asyncio.create_task(self._slot(self.capacity.uploads, job_id, attempt_id, details))
+        shutdown = asyncio.create_task(activity.wait_for_worker_shutdown())
+        lost = asyncio.create_task(gone.wait())
+        try:
+            await asyncio.wait({waiting, shutdown, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            shutdown.cancel()
+            lost.cancel()
+            if not waiting.done():
+                waiting.cancel()
+            await asyncio.gather(waiting, shutdown, lost, return_exceptions=True)
+        if waiting.done() and not waiting.cancelled() and waiting.exception() is None:
+            return None
+        return "shutdown" if shutdown.done() and not shutdown.cancelled() else "lease"
+
+    async def _no_upload_slot(self, job_id: UUID, attempt_id: UUID, file: BuiltFile, why: str,
+                              lease: LeaseKeeper) -> AuthorizationResult:
+        """An attempt that stopped waiting for an upload slot authorizes nothing. A worker shutting down hands it
+        back at once (its lease ends, recovery requeues it), as it does a build (LV6); a lease lost or lapsing is
+        left to recovery."""
+        if why != "shutdown":
+            log.warning("export %s attempt %s: its lease was lost or lapsed while it waited for an upload slot; "
+                        "authorized nothing", job_id, attempt_id)
+            return AuthorizationResult.LEASE_LAPSED
+        await lease.finish()
+        if file.holder is not None:
+            try:
+                await self.store.release_lease(job_id, attempt_id, file.holder)
+            except Exception as exc:  # noqa: BLE001 - the lease lapses by itself: recovery requeues the attempt then
+                log.warning("export %s attempt %s: handing back left to the lease's lapse: %s", job_id, attempt_id,
+                            errors.describe(exc))
+        log.info("worker shutting down: export %s attempt %s handed back while it waited for an upload slot",
+                 job_id, attempt_id)
+        return AuthorizationResult.UNKNOWN
 
     async def _replacement(self, job: JobRow) -> Replacement | None:
         """For a replacement, what identifies its original's file, and whether an overwrite was agreed."""
@@ -186,8 +239,8 @@ class DeliveryActivities(ExportActivitiesBase):
                         ))
                         if not await self._try_again(result, number, lease, record_evidence, job.id, attempt_id):
                             break
-                if hands_back(result) and file.holder is not None and job.replaces_job_id is None:
-                    return await self._hand_back(job.id, attempt_id, file.holder, result, lease, evidence)
+                if (holder := hands_back(result, job, file.holder)) is not None:
+                    return await self._hand_back(job.id, attempt_id, holder, result, lease, evidence)
                 await self.checkpoints.reached(checkpoints.AFTER_RECEIPT, job.id)
                 outcome = Status(result.outcome)
                 failure = FailureCode(result.failure_reason) if result.failure_reason else None

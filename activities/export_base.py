@@ -27,7 +27,9 @@ from typing import Any, TypeVar
 from uuid import UUID
 
 from activities import checkpoints
+from activities.capacity import Slots, WorkerCapacity
 from activities.lease import LeaseKeeper, beats, heartbeating
+from activities.process import metrics
 from store import errors
 from store.jobs import JobStore
 from store.settings import Settings
@@ -88,6 +90,8 @@ class ExportActivitiesBase:
         self.worker_id = worker_id
         self.worker_task_queue = worker_task_queue
         self.checkpoints = checkpoints.Checkpoints()
+        # How many builds and uploads run here at once (activities/capacity.py).
+        self.capacity = WorkerCapacity(max_builds=settings.max_builds, max_uploads=settings.max_uploads)
         # Each attempt's lease keeper on this worker, from its build's start to its terminal write.
         self.keepers: dict[tuple[UUID, UUID], LeaseKeeper] = {}
 
@@ -130,10 +134,27 @@ class ExportActivitiesBase:
     def _forget(self, key: tuple[UUID, UUID], keeper: LeaseKeeper) -> None:
         if self.keepers.get(key) is keeper:
             del self.keepers[key]
+            self.capacity.release(key)  # the attempt is over here: its build or upload slot is free
 
     def _hand_over(self, keeper: LeaseKeeper) -> None:
         # The next step of the attempt is scheduled on this worker with a schedule-to-start timeout of one lease.
         keeper.hand_over(within=self.settings.lease_seconds + self.settings.renew_every_seconds)
 
+    async def _slot(self, slots: Slots, job_id: UUID, attempt_id: UUID, details: dict[str, Any]) -> None:
+        """The attempt's slot in `slots`: the one it holds here, or one it waits for, first come first served, while
+        its lease keeper renews and its heartbeats go on (so the wait is never taken for a lost worker: LD1). The
+        wait shows in the step's heartbeat details."""
+        key = (job_id, attempt_id)
+        if slots.adopt(key):
+            return
+        log.info("export %s attempt %s waits for a %s slot (%d of %d held here)", job_id, attempt_id, slots.kind,
+                 slots.in_use, slots.limit)
+        metrics.slot_wait(slots.kind)
+        details["waiting"] = f"for a {slots.kind} slot"
+        try:
+            await slots.acquire(key)
+        finally:
+            details.pop("waiting", None)
+
     def _heartbeating(self, details: Callable[[], Any]) -> Any:
-        return heartbeating(self.settings.heartbeat_throttle_seconds, details)
+        return heartbeating(self.settings.heartbeat_seconds, details)

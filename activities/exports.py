@@ -84,7 +84,8 @@ class ExportActivities(BuildActivities, DeliveryActivities):
         evaluation = await self._evaluate(request.job_id)
         row = evaluation.row
         if row is not None and row.status is Status.RUNNING and row.attempt_id == request.attempt_id:
-            return Admission(evaluation=evaluation, claim=self._claim_output(ClaimResult.CLAIMED),
+            return Admission(evaluation=evaluation,
+                             claim=self._claim_output(ClaimResult.CLAIMED, row.id, request.attempt_id),
                              attempt=row.attempt_count, idle_recheck_seconds=self.settings.idle_recheck_seconds)
         if row is None or not evaluation.allowed:
             return Admission(evaluation=evaluation, idle_recheck_seconds=self.settings.idle_recheck_seconds)
@@ -119,9 +120,14 @@ class ExportActivities(BuildActivities, DeliveryActivities):
         await self.checkpoints.reached(checkpoints.CLAIM, job_id)
         result = await self.store.claim(job_id, checked_version, attempt_id, self.worker_id)
         await self.checkpoints.reached(checkpoints.AFTER_CLAIM, job_id)
-        return self._claim_output(result)
+        return self._claim_output(result, job_id, attempt_id)
 
-    def _claim_output(self, result: ClaimResult) -> ClaimOutput:
+    def _claim_output(self, result: ClaimResult, job_id: UUID, attempt_id: UUID) -> ClaimOutput:
+        if result is ClaimResult.CLAIMED:
+            # The ticket this claim's poll held becomes the attempt's build slot here, where its build is scheduled
+            # (with a schedule-to-start bound of one lease); freed if the build does not come (activities/capacity.py).
+            self.capacity.builds.hold((job_id, attempt_id),
+                                      adopt_within=self.settings.lease_seconds + self.settings.renew_every_seconds)
         return ClaimOutput(result=result, worker_task_queue=self.worker_task_queue,
                            lease_seconds=self.settings.lease_seconds)
 

@@ -361,9 +361,11 @@ async def heartbeating(every: float, details: Callable[[], Any] = lambda: None) 
         return
 
     async def beat() -> None:
+        # The first after one interval, not at the start: a step shorter than that sends none (each heartbeat that
+        # reaches the server is a billable action), and Temporal counts the heartbeat timeout from the start.
         while True:
-            heartbeat(details())
             await asyncio.sleep(every)
+            heartbeat(details())
 
     task = asyncio.create_task(beat(), name=f"heartbeat-{activity.info().activity_type}")
     try:

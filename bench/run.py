@@ -17,7 +17,7 @@ import platform
 import time
 from pathlib import Path
 
-from bench import build, claims, recovery, scaling, stop, throughput, upload
+from bench import build, claims, cost, recovery, scaling, stop, throughput, upload
 from bench.table import Row, render, write_json
 
 # What each measure is given: (full run, --quick).
@@ -29,9 +29,11 @@ SIZES = {
     "P5": ({"contacts": 900_000, "rounds": 3}, {"contacts": 50_000, "rounds": 1}),
     "P6": ({"megabytes": 200, "rounds": 3}, {"megabytes": 20, "rounds": 1}),
     "S1": ({"exports": 200, "rounds": 3}, {"exports": 20, "rounds": 1, "workers": (2,)}),
+    "C1": ({"long_seconds": 60.0, "renew_every": 20.0}, {"long_seconds": 6.0, "renew_every": 2.0}),
 }
 MEASURES = {"P1": throughput.measure, "P2": stop.measure, "P3": claims.measure, "P4": recovery.measure,
-            "P5": build.measure, "P6": upload.measure, "S1": scaling.measure}
+            "P5": build.measure, "P6": upload.measure, "S1": scaling.measure,
+            "C1": cost.measure}
 UNAVAILABLE = {"P6": upload.unavailable}
 
 

@@ -40,11 +40,20 @@ class Settings(BaseSettings):
     task_queue: str = "exports"
     worker_id: str = ""
 
+    # How many builds and uploads one worker process runs at once (LD1, LD2; docs/database.md, "Connection budget":
+    # each build holds two connections). A worker takes a claim only while it has a build slot free, and an attempt
+    # holds its build slot until it has an upload slot, so slow partners stop claims rather than pile up files.
+    max_builds: int = Field(8, ge=1, le=1000)
+    max_uploads: int = Field(16, ge=1, le=1000)
+
     lease_seconds: float = Field(60.0, gt=0)
     renew_every_seconds: float = Field(20.0, gt=0)
     max_attempts: int = Field(3, ge=1)
-    # The SDK sends heartbeats (and so learns of cancellation) at most this often; see FACTS.md.
-    heartbeat_throttle_seconds: float = Field(0.5, gt=0)
+    # How often a running step heartbeats to Temporal, which is also how often the SDK sends one (LD6). Unset: the
+    # lease's renewal interval (a third of the lease at most, so that one late heartbeat is not a lost worker):
+    # heartbeats mirror the lease. Each one that reaches the server is a billable action on Temporal Cloud and a
+    # write on any cluster; a stop reaches a build through the database (docs/design.md §5.6), not in a reply.
+    heartbeat_throttle_seconds: float | None = Field(None, gt=0)
     lock_timeout_ms: int = Field(2000, ge=1)
     # Client-side bounds on PostgreSQL (docs/database.md, "Silent networks"): a network that drops packets
     # silently is seen in seconds. A bound that fires is an uncertain answer, as a lost connection is.
@@ -136,6 +145,14 @@ class Settings(BaseSettings):
         # naming the form that works (store/urls.py), never read as one host.
         return urls.check(value)
 
+    @field_validator("worker_id")
+    @classmethod
+    def _own_queue_not_admission(cls, value: str) -> str:
+        # The worker's own queue is `<task_queue>-<worker_id>`: this one is every worker's admission queue.
+        if value.strip() == "admission":
+            raise ValueError("'admission' is the name of the claims' queue, not a worker's")
+        return value
+
     @field_validator("log_format")
     @classmethod
     def _known_log_format(cls, value: str) -> str:
@@ -150,6 +167,13 @@ class Settings(BaseSettings):
             raise ValueError(f"{value!r} is not one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
         return value.strip().upper()
 
+    @property
+    def heartbeat_seconds(self) -> float:
+        """The heartbeat cadence in force (`heartbeat_throttle_seconds`)."""
+        if self.heartbeat_throttle_seconds is not None:
+            return self.heartbeat_throttle_seconds
+        return min(self.renew_every_seconds, self.lease_seconds / 3)
+
     @model_validator(mode="after")
     def _renewal_fits_in_lease(self) -> Settings:
         if self.renew_every_seconds >= self.lease_seconds:
@@ -159,7 +183,8 @@ class Settings(BaseSettings):
 
 def as_env(settings: Settings) -> dict[str, str]:
     """The EXPORTS_* variables that make another process read these same settings."""
-    return {f"EXPORTS_{name.upper()}": str(value) for name, value in settings.model_dump().items()}
+    return {f"EXPORTS_{name.upper()}": str(value) for name, value in settings.model_dump().items()
+            if value is not None}
 
 
 @lru_cache

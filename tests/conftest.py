@@ -145,7 +145,6 @@ class TestDatabase:
             **self.server.urls(self.name),
             "lease_seconds": 5.0,
             "renew_every_seconds": 1.0,
-            "heartbeat_throttle_seconds": 0.2,
             "dispatcher_poll_seconds": 0.5,
             "reread_timeout_seconds": 2.0,
             "lock_timeout_ms": 500,

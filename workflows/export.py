@@ -50,9 +50,11 @@ with workflow.unsafe.imports_passed_through():
     from activities.exports import ExportActivities
     from store.models import AuthorizationResult, ClaimResult, JobRow, Status
     from workflows import patches
-    from workflows.identity import export_workflow_id
+    from workflows.identity import admission_queue, export_workflow_id
 
 _UNCONFIRMED_CLAIM_RETRY = timedelta(seconds=5)
+# The longest a claim waits for a worker with a build slot free before the run reads its row again.
+_ADMISSION_WAIT = timedelta(hours=1)
 # A build whose worker is lost resumes elsewhere this many times, each only while its lease renewal matches.
 _BUILD_RESUMPTIONS = 3
 
@@ -144,9 +146,14 @@ class ExportWorkflow:
         again."""
         attempt_id = workflow.uuid4()
         try:
+            # On the admission queue, taken only by a worker with a build slot free: a Queued export waits here,
+            # where no lease runs, never on a busy worker (LD1). Options are not replayed: unpatched. The bound
+            # only keeps a run from waiting on a queue that no worker polls (a rollback to 0.2.0).
             admission: Admission = await workflow.execute_activity_method(
                 ExportActivities.claim_if_allowed, AdmitInput(job_id=job_id, attempt_id=attempt_id),
-                summary="read row, evaluate policy, claim", **SHORT_STEP
+                summary="read row, evaluate policy, claim (on a worker with a build slot free)",
+                task_queue=admission_queue(workflow.info().task_queue),
+                schedule_to_start_timeout=_ADMISSION_WAIT, **SHORT_STEP
             )
         except ActivityError as err:
             # Ended visibly (its failure is in the history); the row is read again at the next wake-up.
@@ -271,7 +278,8 @@ class ExportWorkflow:
             authorized: AuthorizeOutput = await workflow.execute_activity_method(
                 ExportActivities.authorize_delivery,
                 AuthorizeInput(job=attempt.job, attempt_id=attempt.attempt_id, file=built.file),
-                start_to_close_timeout=timedelta(seconds=60),
+                # It may wait for an upload slot (LD2), its lease kept and its heartbeats sent.
+                start_to_close_timeout=timedelta(hours=6),
                 # A worker that dies after cutoff 2 committed is noticed within a lease, so that the run reads the
                 # row recovery settled without waiting out the whole timeout. Options are not replayed: unpatched.
                 heartbeat_timeout=lease,

@@ -55,7 +55,7 @@ class Cancellations:
             request = CancelRequest.model_validate(payload)
         except ValidationError as exc:
             problem = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'payload'}: {e['msg']}" for e in exc.errors())
-            self._display.rejected.append(f"cancel rejected, nothing recorded: {problem}")
+            self._display.reject(f"cancel rejected, nothing recorded: {problem}")
             workflow.logger.warning("cancel signal rejected, nothing recorded: %s", problem)
             return
         self._pending.append(request)
@@ -90,7 +90,7 @@ class Cancellations:
             except ActivityError as err:
                 # One request that cannot be recorded never blocks the next one.
                 problem = f"cancel {request.request_id} not recorded: {cause(err)}"
-                self._display.rejected.append(problem)
+                self._display.reject(problem)
                 workflow.logger.warning("%s", problem)
                 continue
             finally:
@@ -113,7 +113,7 @@ class Cancellations:
         committed after all, is the one recorded), a few times. False once the tries are spent."""
         self._busy[request.request_id] = tries = self._busy.get(request.request_id, 0) + 1
         if tries > _BUSY_RETRIES:
-            self._display.rejected.append(f"cancel {request.request_id} not recorded: the export stayed busy "
+            self._display.reject(f"cancel {request.request_id} not recorded: the export stayed busy "
                                           f"through {_BUSY_RETRIES} tries; send it again")
             return False
         # Counted before the task starts, so that the run does not end while the request waits.

@@ -8,6 +8,8 @@ opening any JSON; they are not a command, so their text may change freely.
 
 from __future__ import annotations
 
+from collections import deque
+
 from temporalio import workflow
 
 from workflows.export_state import RunState
@@ -17,13 +19,19 @@ with workflow.unsafe.imports_passed_through():
     from workflows.identity import DELIVERY_KEY, EXPORT_ATTEMPTS, EXPORT_CONFIRMED_BY, EXPORT_STATUS, EXPORT_TENANT
 
 
+_ASKED_KEPT = 10
+_REJECTED_KEPT = 100
+
+
 class Display:
     def __init__(self, state: RunState) -> None:
         self._state = state
         self._shown: tuple[Status, int, str | None] | None = None
-        # What operators asked of the run (who, what, and what came of it), and the signals it refused.
-        self.asked: list[str] = []
-        self.rejected: list[str] = []
+        # What operators asked of the run (who, what, and what came of it), and the signals it refused: the last
+        # few of each, so that a flood of signals never grows the run's memory without bound (LD7).
+        self.asked: deque[str] = deque(maxlen=_ASKED_KEPT)
+        self.rejected: deque[str] = deque(maxlen=_REJECTED_KEPT)
+        self.rejected_count = 0
 
     def show(self, status: Status, attempts: int) -> None:
         """The search attributes and the details, for a state the run learned of."""
@@ -43,6 +51,11 @@ class Display:
                 EXPORT_CONFIRMED_BY.value_set(confirmed_by) if confirmed_by else EXPORT_CONFIRMED_BY.value_unset(),
             ]
         )
+
+    def reject(self, line: str) -> None:
+        """A signal refused, or a request that could not be recorded: kept for the query, counted in the details."""
+        self.rejected.append(line)
+        self.rejected_count += 1
 
     def ask(self, line: str) -> None:
         """An operator's request and its answer, added to the details."""
@@ -68,7 +81,8 @@ class Display:
             lines.append(f"file {row.expected_file_name}, {row.expected_file_bytes} bytes, sha256 {digest}")
         if status is Status.COMPLETED and row.confirmed_by:
             lines.append(f"confirmed by {row.confirmed_by}")
-        lines.extend(self.asked[-10:])
-        if self.rejected:
-            lines.append(f"{len(self.rejected)} signal(s) rejected: see the rejected_signals query")
+        lines.extend(self.asked)
+        if self.rejected_count:
+            lines.append(f"{self.rejected_count} signal(s) rejected: the last {len(self.rejected)} in the "
+                         "rejected_signals query")
         workflow.set_current_details("\n\n".join(lines))

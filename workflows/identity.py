@@ -28,6 +28,12 @@ def job_id_of(workflow_id: object) -> str | None:
         return None
 
 
+def admission_queue(task_queue: str) -> str:
+    """The task queue of the claims (cutoff 1) of exports whose runs are on `task_queue`: a worker polls it only
+    while it has a build slot free (activities/capacity.py)."""
+    return f"{task_queue}-admission"
+
+
 EXPORT_STATUS = SearchAttributeKey.for_keyword("ExportStatus")
 EXPORT_TENANT = SearchAttributeKey.for_keyword("ExportTenant")
 DELIVERY_KEY = SearchAttributeKey.for_keyword("DeliveryKey")

@@ -59,6 +59,13 @@ FOLLOW_UP_LOOKS = Counter("exports_follow_up_looks",
                           "The evidence follow-up's looks at OutcomeUnknown exports, by what each concluded "
                           "(Completed: settled by proof; OutcomeUnknown: not settled; Unreachable: no look had)",
                           ["concluded"])
+SLOTS_IN_USE = Gauge("exports_worker_slots_in_use",
+                     "This worker's build and upload slots held (by an attempt, or by a poll for a claim)", ["kind"])
+SLOTS_LIMIT = Gauge("exports_worker_slots_limit", "This worker's build and upload slots (EXPORTS_MAX_BUILDS, "
+                    "EXPORTS_MAX_UPLOADS)", ["kind"])
+SLOTS_WAITING = Gauge("exports_worker_slots_waiting", "Steps on this worker waiting for a build or upload slot, "
+                      "their leases kept", ["kind"])
+SLOT_WAITS = Counter("exports_worker_slot_waits", "Steps that had to wait for a build or upload slot", ["kind"])
 SWEEPS = Counter("exports_sweeps", "Sweep runs, by kind", ["kind"])
 SWEPT = Counter("exports_swept", "What the sweeps changed: queued rows woken, temporary files removed", ["kind"])
 
@@ -71,6 +78,16 @@ OUTCOME_UNKNOWN = Gauge("exports_outcome_unknown", "Exports whose row says Outco
 JOBS = Gauge("exports_jobs", "Exports whose row is in each state, as last read", ["status"])
 STORE_READ_FAILURES = Counter("exports_metrics_store_read_failures", "Failed reads of the gauges above")
 STORE_READ_AT = Gauge("exports_metrics_store_read_timestamp_seconds", "When the gauges above were last read")
+
+
+def slots(kind: str, *, in_use: int, waiting: int, limit: int) -> None:
+    SLOTS_IN_USE.labels(kind).set(in_use)
+    SLOTS_WAITING.labels(kind).set(waiting)
+    SLOTS_LIMIT.labels(kind).set(limit)
+
+
+def slot_wait(kind: str) -> None:
+    SLOT_WAITS.labels(kind).inc()
 
 
 def ended(status: Any) -> None:

@@ -24,7 +24,7 @@ from activities.contracts import (
 from store.models import CancellationOutcome, CancellationResult, FailureCode, JobRow, Status
 from tests.helpers.support import eventually
 from workflows.export import ExportWorkflow
-from workflows.identity import export_workflow_id
+from workflows.identity import admission_queue, export_workflow_id
 
 
 async def woken_while_recording_a_cancel(client: Client) -> tuple[WorkflowHandle, ExportResult, list[Status]]:
@@ -59,8 +59,8 @@ async def woken_while_recording_a_cancel(client: Client) -> tuple[WorkflowHandle
                                                       found_status=states["status"]))
 
     queue = f"late-wake-{uuid.uuid4().hex[:8]}"
-    async with Worker(client, task_queue=queue, workflows=[ExportWorkflow],
-                      activities=[claim_if_allowed, record_cancellation]):
+    async with Worker(client, task_queue=queue, workflows=[ExportWorkflow], activities=[record_cancellation]), \
+            Worker(client, task_queue=admission_queue(queue), activities=[claim_if_allowed]):
         handle = await client.start_workflow(ExportWorkflow.run, ExportInput(job_id=job_id),
                                              id=export_workflow_id(job_id), task_queue=queue,
                                              result_type=ExportResult)

@@ -206,7 +206,7 @@ async def test_the_probes_follow_a_real_worker_that_stops_polling_or_loses_its_d
         port = observing.settings.http_port
         await polling(port)
         assert await get(port, "/livez") == (200, "ok\n")
-        shared, own = observing.health.workers
+        shared, own, admission = observing.health.workers
         await asyncio.wait_for(own.shutdown(), 30)  # its own queue only: the shared one still polls
         assert await get(port, "/readyz") == (503, "not polling\n")
         assert await get(port, "/livez") == (200, "ok\n")

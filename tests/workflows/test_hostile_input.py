@@ -15,7 +15,7 @@ from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
-from activities.contracts import ExportResult
+from activities.contracts import ExportInput, ExportResult
 from starter.client import ExportsClient
 from store.db import asyncpg_dsn
 from store.models import Status
@@ -394,7 +394,7 @@ async def test_arbitrary_json_sent_as_cancel_records_nothing_and_a_valid_cancel_
         quiet_harness: Harness):
     from pydantic import ValidationError
 
-    from activities.contracts import CancelRequest, ExportInput
+    from activities.contracts import CancelRequest
     from tests.helpers.store_states import drive
 
     h = quiet_harness
@@ -423,5 +423,37 @@ async def test_arbitrary_json_sent_as_cancel_records_nothing_and_a_valid_cancel_
         assert [(r["id"], r["outcome"]) for r in recorded] == [(valid, "StopRequested")]
         assert len(await handle.query("rejected_signals")) == invalid
         assert (await handle.describe()).status is WorkflowExecutionStatus.RUNNING
+    finally:
+        await handle.terminate("test over")
+
+
+@pytest.mark.spec("LD7")
+async def test_a_flood_of_malformed_cancels_keeps_the_runs_memory_bounded_and_the_next_valid_cancel_records(
+        quiet_harness: Harness):
+    """Many malformed cancel signals: the run keeps the last hundred for the query and counts the rest in its
+    details (its memory no longer grows with every one), and a valid cancel after them is still recorded."""
+    from tests.helpers.store_states import drive
+
+    h = quiet_harness
+    job_id = uuid.uuid4()
+    await h.store.create_job(job_id=job_id, tenant_id=h.tenant_id, destination_id=h.destination_id,
+                             delivery_key=f"k{job_id.hex[:12]}", created_by="tests")
+    await drive(h.store, job_id, Status.RUNNING)  # held by an attempt of the test's: the workflow only waits
+    handle = await h.client.start_workflow("ExportWorkflow", ExportInput(job_id=job_id),
+                                           id=export_workflow_id(job_id),
+                                           task_queue=h.settings.task_queue, result_type=ExportResult)
+    flood = 250
+    try:
+        await asyncio.gather(*(handle.signal("cancel", {"request_id": f"junk {n}"}) for n in range(flood)))
+        valid = uuid.uuid4()
+        await handle.signal("cancel", {"request_id": str(valid), "tenant": str(h.tenant_id),
+                                       "operator": "ann@example.com", "reason": "after the flood"})
+        await eventually(lambda: h.db.admin.fetchval("SELECT count(*) FROM cancellation_requests"),
+                         lambda n: n >= 1, timeout=BOUND, interval=0.2, what="the valid cancel recorded")
+        rejected = await handle.query("rejected_signals")
+        assert len(rejected) == 100 and "request_id" in rejected[-1], (len(rejected), rejected[-1:])
+        details = await eventually(lambda: current_details(h, job_id), lambda d: f"{flood} signal(s)" in d,
+                                   timeout=10, interval=0.2, what="the details counting every rejected signal")
+        assert "the last 100" in details, details
     finally:
         await handle.terminate("test over")
