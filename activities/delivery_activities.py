@@ -8,7 +8,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 from uuid import UUID
 
 from temporalio import activity
@@ -40,6 +40,10 @@ def hands_back(result: DeliveryResult, job: JobRow, holder: str | None) -> str |
     return None
 
 
+# How often an attempt asks again for a session at a partner whose sessions are all held.
+_SESSION_RETRY_SECONDS = 1.0
+
+
 class DeliveryActivities(ExportActivitiesBase):
     @activity.defn
     @attempt_step
@@ -57,10 +61,14 @@ class DeliveryActivities(ExportActivitiesBase):
         lease = self._keeper(job.id, attempt_id, file.holder, gone.set, on_lapsing=gone.set)
         result = AuthorizationResult.UNKNOWN
         try:
-            # Cutoff 2 only with an upload slot held (LD2): an authorized attempt's upload can always start.
-            stopped_waiting = await self._until_upload_slot(job.id, attempt_id, details, gone)
+            # Cutoff 2 only with a session at the partner (LD3) and an upload slot here (LD2) held: an authorized
+            # attempt's upload can always start.
+            stopped_waiting = await self._unless_interrupted(self._partner_session(job, attempt_id, details), gone)
+            if stopped_waiting is None:
+                stopped_waiting = await self._unless_interrupted(
+                    self._slot(self.capacity.uploads, job.id, attempt_id, details), gone)
             if stopped_waiting is not None:
-                result = await self._no_upload_slot(job.id, attempt_id, file, stopped_waiting, lease)
+                result = await self._stopped_waiting(job.id, attempt_id, file, stopped_waiting, lease)
                 remove_local_file(file.path)
                 return AuthorizeOutput(result=result)
             await self.checkpoints.reached(checkpoints.BEFORE_CUTOFF_2, job.id)
@@ -106,33 +114,69 @@ class DeliveryActivities(ExportActivitiesBase):
             if result is not AuthorizationResult.AUTHORIZED:
                 await lease.finish()
 
-    async def _until_upload_slot(self, job_id: UUID, attempt_id: UUID, details: dict[str, Any],
-                                 gone: asyncio.Event) -> str | None:
-        """None once the attempt holds an upload slot here; else why it stopped waiting for one: the worker shuts
-        down, or the attempt's lease was lost or is lapsing."""
-        waiting = asyncio.create_task(self._slot(self.capacity.uploads, job_id, attempt_id, details))
-        shutdown = asyncio.create_task(activity.wait_for_worker_shutdown())
+    async def _unless_interrupted(self, waiting: Awaitable[None], gone: asyncio.Event) -> str | None:
+        """None once `waiting` is done; else why it stopped first: the worker shuts down ("shutdown"), or the
+        attempt's lease was lost or is lapsing ("lease")."""
+        waited = asyncio.ensure_future(waiting)
+        # A step called directly (outside an activity) has no worker to shut down.
+        shutdown = asyncio.create_task(activity.wait_for_worker_shutdown() if activity.in_activity()
+                                       else asyncio.Event().wait())
         lost = asyncio.create_task(gone.wait())
         try:
-            await asyncio.wait({waiting, shutdown, lost}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({waited, shutdown, lost}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             shutdown.cancel()
             lost.cancel()
-            if not waiting.done():
-                waiting.cancel()
-            await asyncio.gather(waiting, shutdown, lost, return_exceptions=True)
-        if waiting.done() and not waiting.cancelled() and waiting.exception() is None:
+            if not waited.done():
+                waited.cancel()
+            await asyncio.gather(waited, shutdown, lost, return_exceptions=True)
+        if waited.done() and not waited.cancelled() and waited.exception() is None:
             return None
+        if waited.done() and not waited.cancelled() and waited.exception() is not None:
+            raise cast(BaseException, waited.exception())
         return "shutdown" if shutdown.done() and not shutdown.cancelled() else "lease"
 
-    async def _no_upload_slot(self, job_id: UUID, attempt_id: UUID, file: BuiltFile, why: str,
-                              lease: LeaseKeeper) -> AuthorizationResult:
-        """An attempt that stopped waiting for an upload slot authorizes nothing. A worker shutting down hands it
-        back at once (its lease ends, recovery requeues it), as it does a build (LV6); a lease lost or lapsing is
-        left to recovery."""
+    async def _partner_session(self, job: JobRow, attempt_id: UUID, details: dict[str, Any]) -> None:
+        """A session at the destination's partner, where its contract limits them (LD3): taken with one
+        statement, asked again every second while all are held (the lease kept, the wait in the heartbeat
+        details), and through a blip of the database."""
+        destination = await retry_patiently(
+            lambda: self.store.read_destination(job.tenant_id, job.destination_id), retryable=errors.is_transient,
+            patience=self.settings.lease_seconds / 2, first_delay=0.5, max_delay=2.0,
+            what=f"cutoff 2 of {job.id} reads its destination")
+        limit = None if destination is None else destination.get("max_sessions")
+        if limit is None:
+            return
+        waited = False
+        try:
+            while True:
+                try:
+                    slot = await self.store.take_partner_session(job.destination_id, job.id, attempt_id)
+                except Exception as exc:
+                    if not errors.is_transient(exc):
+                        raise
+                    slot = None
+                if slot is not None:
+                    self.partner_sessions.add((job.id, attempt_id))
+                    return
+                if not waited:
+                    waited = True
+                    log.info("export %s attempt %s waits for a session at its partner (%d at once)", job.id,
+                             attempt_id, limit)
+                    metrics.slot_wait("partner_session")
+                    details["waiting"] = f"for a session at the partner ({limit} at once)"
+                await asyncio.sleep(_SESSION_RETRY_SECONDS)
+        finally:
+            details.pop("waiting", None)
+
+    async def _stopped_waiting(self, job_id: UUID, attempt_id: UUID, file: BuiltFile, why: str,
+                               lease: LeaseKeeper) -> AuthorizationResult:
+        """An attempt that stopped waiting for a partner session or an upload slot authorizes nothing. A worker
+        shutting down hands it back at once (its lease ends, recovery requeues it), as it does a build (LV6); a
+        lease lost or lapsing is left to recovery."""
         if why != "shutdown":
-            log.warning("export %s attempt %s: its lease was lost or lapsed while it waited for an upload slot; "
-                        "authorized nothing", job_id, attempt_id)
+            log.warning("export %s attempt %s: its lease was lost or lapsed while it waited for a partner session "
+                        "or an upload slot; authorized nothing", job_id, attempt_id)
             return AuthorizationResult.LEASE_LAPSED
         await lease.finish()
         if file.holder is not None:
@@ -141,8 +185,8 @@ class DeliveryActivities(ExportActivitiesBase):
             except Exception as exc:  # noqa: BLE001 - the lease lapses by itself: recovery requeues the attempt then
                 log.warning("export %s attempt %s: handing back left to the lease's lapse: %s", job_id, attempt_id,
                             errors.describe(exc))
-        log.info("worker shutting down: export %s attempt %s handed back while it waited for an upload slot",
-                 job_id, attempt_id)
+        log.info("worker shutting down: export %s attempt %s handed back while it waited for a partner session "
+                 "or an upload slot", job_id, attempt_id)
         return AuthorizationResult.UNKNOWN
 
     async def _replacement(self, job: JobRow) -> Replacement | None:

@@ -28,6 +28,9 @@ class PartnerContract(BaseModel):
     acknowledgment_dir: str | None = None
     # After how long a temporary file of ours may be removed from temp_dir (the partner ignores it meanwhile).
     temp_file_max_age_seconds: int = 604800
+    # How many sessions the partner accepts at once (its MaxSessions, say); None: no limit. No more uploads than
+    # that run to it across all workers (migration 0011, take_partner_session.sql).
+    max_sessions: int | None = Field(None, ge=1, le=1000)
 
 
 class Replacement(BaseModel):
@@ -61,7 +64,8 @@ class DestinationConfig(BaseModel):
             contract=PartnerContract(name_and_size_identify=row["name_and_size_identify"],
                                      hash_evidence=row["hash_evidence"],
                                      acknowledgment_dir=row["acknowledgment_dir"],
-                                     temp_file_max_age_seconds=row["temp_file_max_age_seconds"]),
+                                     temp_file_max_age_seconds=row["temp_file_max_age_seconds"],
+                                     max_sessions=row.get("max_sessions")),
         )
 
     @model_validator(mode="after")
@@ -76,6 +80,7 @@ class DestinationConfig(BaseModel):
 # reject an export before its claim. The table accepts more (rows written by SQL, rows from before this check).
 
 MAX_DESTINATION_NAME = 200  # the table's CHECK
+MAX_SESSIONS = 1000  # the table's CHECK (migration 0011)
 MAX_HOST = 253  # a DNS name
 MAX_USERNAME = 200
 MAX_PATH = 1024
@@ -148,6 +153,9 @@ def _destination_problem(row: Mapping[str, Any]) -> str | None:
     if not _whole(age) or not MIN_TEMP_FILE_MAX_AGE_SECONDS <= age <= MAX_TEMP_FILE_MAX_AGE_SECONDS:
         return (f"temp_file_max_age_seconds must be a whole number of seconds from {MIN_TEMP_FILE_MAX_AGE_SECONDS} "
                 f"(12 hours, above the delivery's timeout) to {MAX_TEMP_FILE_MAX_AGE_SECONDS}")
+    sessions = row.get("max_sessions")
+    if sessions is not None and (not _whole(sessions) or not 1 <= sessions <= MAX_SESSIONS):
+        return f"max_sessions must be a whole number from 1 to {MAX_SESSIONS}, or none for no limit"
     for column in ("enabled", "name_and_size_identify"):
         if not isinstance(row.get(column, False), bool):
             return f"{column} must be true or false"

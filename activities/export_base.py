@@ -18,6 +18,7 @@ the start of every step after the build for about a lease and fails if the lease
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import functools
 import inspect
@@ -92,6 +93,9 @@ class ExportActivitiesBase:
         self.checkpoints = checkpoints.Checkpoints()
         # How many builds and uploads run here at once (activities/capacity.py).
         self.capacity = WorkerCapacity(max_builds=settings.max_builds, max_uploads=settings.max_uploads)
+        # Attempts here that hold a session at their partner (take_partner_session.sql), given back at their end.
+        self.partner_sessions: set[tuple[UUID, UUID]] = set()
+        self._releases: set[asyncio.Task[None]] = set()
         # Each attempt's lease keeper on this worker, from its build's start to its terminal write.
         self.keepers: dict[tuple[UUID, UUID], LeaseKeeper] = {}
 
@@ -135,6 +139,19 @@ class ExportActivitiesBase:
         if self.keepers.get(key) is keeper:
             del self.keepers[key]
             self.capacity.release(key)  # the attempt is over here: its build or upload slot is free
+            if key in self.partner_sessions:
+                self.partner_sessions.discard(key)
+                task = asyncio.create_task(self._release_partner_session(key))
+                self._releases.add(task)
+                task.add_done_callback(self._releases.discard)
+
+    async def _release_partner_session(self, key: tuple[UUID, UUID]) -> None:
+        # Early, for speed: the slot is free anyway once the row no longer names the attempt Running or Delivering.
+        try:
+            await self.store.release_partner_session(*key)
+        except Exception as exc:
+            log.info("export %s attempt %s: its partner session is freed by its row instead: %s", *key,
+                     errors.describe(exc))
 
     def _hand_over(self, keeper: LeaseKeeper) -> None:
         # The next step of the attempt is scheduled on this worker with a schedule-to-start timeout of one lease.

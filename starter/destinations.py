@@ -374,6 +374,8 @@ def _given(**values: Any) -> dict[str, Any]:
 
 
 TENANT = typer.Option(..., help="tenant ID")
+MAX_SESSIONS_HELP = ("how many sessions the partner accepts at once (1 to 1000; its MaxSessions, say): no more "
+                     "uploads than that run to it across all workers; none when omitted")
 HOST_KEY_HELP = ("the partner's host key as one OpenSSH public key line ('ssh-ed25519 AAAA...'), without a "
                  "known_hosts host pattern or authorized_keys options")
 CREDENTIAL_HELP = ("file:<path> (a private key file, readable here when written) or env:<VAR> (a variable of "
@@ -404,6 +406,7 @@ def add_command(
     acknowledgment_dir: str | None = typer.Option(None, help="absolute; where the partner writes <name>.ack"),
     name_and_size_identify: bool = typer.Option(False, help="only where the partner agreed to it"),
     temp_file_max_age_seconds: str | None = typer.Option(None, help="at least 43200; 604800 when omitted"),
+    max_sessions: str | None = typer.Option(None, help=MAX_SESSIONS_HELP),
     disabled: bool = typer.Option(False, "--disabled", help="written disabled: its exports are Rejected"),
     no_check: bool = NO_CHECK,
 ) -> None:
@@ -417,7 +420,8 @@ def add_command(
                     hash_evidence=hash_evidence, acknowledgment_dir=acknowledgment_dir,
                     name_and_size_identify=name_and_size_identify, enabled=not disabled,
                     temp_file_max_age_seconds=_whole_number(temp_file_max_age_seconds,
-                                                            "temp_file_max_age_seconds"))
+                                                            "temp_file_max_age_seconds"),
+                    max_sessions=_whole_number(max_sessions, "max_sessions"))
     tenant_id = _parsed(tenant, "tenant ID")
     print(_run(lambda engine: add_destination(engine, tenant_id, values, ask_partner=not no_check, warn=_warn),
                owner=True))
@@ -441,6 +445,8 @@ def update_command(
     name_and_size_identify: bool | None = typer.Option(None, "--name-and-size-identify/"
                                                                 "--no-name-and-size-identify"),
     temp_file_max_age_seconds: str | None = typer.Option(None, help="at least 43200"),
+    max_sessions: str | None = typer.Option(None, help=MAX_SESSIONS_HELP),
+    no_max_sessions: bool = typer.Option(False, "--no-max-sessions", help="no session limit"),
     enabled: bool | None = typer.Option(None, "--enabled/--disabled"),
     no_check: bool = NO_CHECK,
 ) -> None:
@@ -455,9 +461,14 @@ def update_command(
                      hash_evidence=hash_evidence, acknowledgment_dir=acknowledgment_dir,
                      name_and_size_identify=name_and_size_identify, enabled=enabled,
                      temp_file_max_age_seconds=_whole_number(temp_file_max_age_seconds,
-                                                             "temp_file_max_age_seconds"))
+                                                             "temp_file_max_age_seconds"),
+                     max_sessions=_whole_number(max_sessions, "max_sessions"))
     if no_acknowledgment_dir:
         changes["acknowledgment_dir"] = None
+    if no_max_sessions:
+        if max_sessions is not None:
+            fail("error: give --max-sessions or --no-max-sessions, not both")
+        changes["max_sessions"] = None
     destination_id, tenant_id = _parsed(destination, "destination ID"), _parsed(tenant, "tenant ID")
     _run(lambda engine: update_destination(engine, tenant_id, destination_id, changes, ask_partner=not no_check,
                                            warn=_warn), owner=True)
@@ -525,6 +536,7 @@ def _listed(row: Mapping[str, Any]) -> str:
         f"temp_dir {row['temp_dir']}", f"host_key {host_key}", f"credential_ref {shown_ref}",
         f"hash_evidence {row['hash_evidence']}", f"acknowledgment_dir {row['acknowledgment_dir'] or '-'}",
         f"name_and_size_identify {'yes' if row['name_and_size_identify'] else 'no'}",
-        f"temp_file_max_age_seconds {row['temp_file_max_age_seconds']}", f"contract {contract}",
+        f"temp_file_max_age_seconds {row['temp_file_max_age_seconds']}",
+        f"max_sessions {row.get('max_sessions') or 'no limit'}", f"contract {contract}",
     ]
     return _shown("  ".join(fields))

@@ -25,7 +25,7 @@ from store.models import (
     Status,
 )
 from store.schema import cancellation_requests, destinations, export_attempt_events, export_jobs
-from store.statements import Reread, RoleStore, Written, fetch_one
+from store.statements import Reread, RoleStore, Written, fetch_one, statement
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +272,17 @@ class JobStore(RoleStore):
             )
             == 1
         )
+
+    async def take_partner_session(self, destination_id: UUID, job_id: UUID, attempt_id: UUID) -> int | None:
+        """A slot of the destination's session limit for the attempt (take_partner_session.sql): the one it holds,
+        or a free one; None while all are held. Safe to repeat: a lost answer is asked again."""
+        async with self.db.transaction() as conn:
+            found = (await conn.execute(statement("take_partner_session"), {
+                "destination_id": destination_id, "job_id": job_id, "attempt_id": attempt_id})).first()
+        return None if found is None else int(found[0])
+
+    async def release_partner_session(self, job_id: UUID, attempt_id: UUID) -> None:
+        await self._write("release_partner_session", job_id=job_id, attempt_id=attempt_id)
 
     async def release_lease(self, job_id: UUID, attempt_id: UUID, holder: str) -> bool:
         return await self._write("release_lease", job_id=job_id, attempt_id=attempt_id, holder=holder) == 1

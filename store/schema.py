@@ -35,6 +35,7 @@ destinations = Table(
     Column("hash_evidence", Text, nullable=False),
     Column("acknowledgment_dir", Text),
     Column("temp_file_max_age_seconds", Integer, nullable=False),
+    Column("max_sessions", Integer),  # migration 0011: how many sessions the partner accepts at once (None: no limit)
 )
 
 contacts = Table(
@@ -138,4 +139,16 @@ evidence_follow_ups = Table(
     Column("first_look_at", tstz, nullable=False),
     Column("last_look_at", tstz, nullable=False),
     Column("finding", Text, nullable=False),
+)
+
+# Migration 0011: a slot of a destination's session limit, held while its export's row names the attempt, Running
+# or Delivering (take_partner_session.sql).
+partner_sessions = Table(
+    "partner_sessions",
+    metadata,
+    Column("destination_id", UUID(as_uuid=True), primary_key=True),
+    Column("slot", Integer, primary_key=True),
+    Column("job_id", UUID(as_uuid=True), nullable=False),
+    Column("attempt_id", UUID(as_uuid=True), nullable=False),
+    Column("taken_at", tstz, nullable=False),
 )

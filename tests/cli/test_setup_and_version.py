@@ -87,10 +87,8 @@ async def test_migrate_to_the_previous_revision_and_back(db, tmp_path):
     settings = db.settings()
 
     async def head_migration_in_place() -> bool:
-        """Whether the head's migration is in place (0010: the rename fence's column)."""
-        return bool(await db.admin.fetchval(
-            "SELECT count(*) FROM information_schema.columns WHERE table_schema = 'public' "
-            "AND table_name = 'export_jobs' AND column_name = 'rename_fence'"))
+        """Whether the head's migration is in place (0011: the partner sessions' table)."""
+        return bool(await db.admin.fetchval("SELECT to_regclass('partner_sessions') IS NOT NULL"))
 
     down = await exports_command(settings, "migrate", "--to", PREVIOUS, cwd=tmp_path)
     assert down.code == 0 and f"at {PREVIOUS} (was {head_revision()})" in down.stdout, down

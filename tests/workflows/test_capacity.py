@@ -12,9 +12,12 @@ from contextlib import AsyncExitStack, suppress
 from datetime import datetime
 
 import pytest
+from temporalio.service import RPCError
 
 from store.models import Status
-from tests.helpers.harness import Harness, open_harness, run_recovery
+from tests.helpers.harness import Harness, WorkerProcess, open_harness, run_recovery, set_contract
+from tests.helpers.support import eventually
+from workflows.identity import export_workflow_id
 
 LEASE = 3.0
 MAX_BUILDS = 2
@@ -87,3 +90,64 @@ async def test_a_worker_runs_its_configured_builds_and_uploads_at_once_and_no_wa
     # upload slot with the lease kept.
     assert queued > LEASE, queued
     assert before_cutoff_2 > LEASE + 2, before_cutoff_2
+
+
+@pytest.mark.spec("LD3")
+async def test_no_more_uploads_run_to_a_partner_than_its_contract_allows_across_workers(db, store, client, tmp_path):
+    """A destination whose partner accepts one session at once, two workers (this process's and another process):
+    the uploads to it run one at a time; the others wait before cutoff 2, visibly, their leases kept, and none is
+    taken for lost."""
+    async with AsyncExitStack() as stack:
+        # One build at a time on each worker, so that both take exports.
+        h = await open_harness(stack, db, store, client, tmp_path, lease_seconds=LEASE, renew_every_seconds=1.0,
+                               upload_throttle_bytes_per_second=9_000, max_builds=1)
+        await set_contract(h, max_sessions=1)
+        other = await WorkerProcess(h.settings).start()
+        stack.push_async_callback(other.stop)
+        await eventually(lambda: asyncio.sleep(0, other.log_path.exists() and "polling" in other.log_path.read_text()),
+                         bool, timeout=60, interval=0.2, what="the other worker polling")
+        stop, runs = asyncio.Event(), []
+        recovery = asyncio.create_task(recovering(h, stop, runs))
+        try:
+            jobs = [await h.create() for _ in range(4)]
+            waiting = await eventually(lambda: _waiting_details(h, jobs), bool, timeout=60, interval=0.2,
+                                       what="an export shown waiting for a session at its partner")
+            rows = await asyncio.wait_for(asyncio.gather(*(h.settled(job) for job in jobs)), 240)
+        finally:
+            stop.set()
+            await asyncio.wait_for(recovery, 30)
+        workers = {row["claimed_by"].split("/")[0] for row in await db.admin.fetch(
+            "SELECT claimed_by FROM export_jobs WHERE id = ANY($1::uuid[])", jobs)}
+
+    assert all(row.status is Status.COMPLETED and row.attempt_count == 1 for row in rows), \
+        [(row.status, row.attempt_count) for row in rows]
+    events = await db.admin.fetch(
+        "SELECT job_id, kind, recorded_at FROM export_attempt_events WHERE job_id = ANY($1::uuid[]) "
+        "ORDER BY recorded_at", jobs)
+    kinds = {event["kind"] for event in events}
+    assert not kinds & {"RequeuedByRecovery", "AttemptsExhausted", "ResolvedByRecovery"}, kinds
+    at: dict[uuid.UUID, dict[str, datetime]] = {}
+    for event in events:
+        at.setdefault(event["job_id"], {}).setdefault(event["kind"], event["recorded_at"])
+    uploading = [(at[job]["DeliveryAuthorized"], at[job]["Finished"]) for job in jobs]
+    print(f"\nLD3: uploads at once to the partner {most_at_once(uploading)} (its contract: 1); claimed by "
+          f"{len(workers)} workers; seen waiting: {waiting}")
+    assert most_at_once(uploading) == 1
+    assert len(workers) == 2, workers  # both workers delivered: the limit held across them
+    sessions = await db.admin.fetchval("SELECT count(*) FROM partner_sessions")
+    assert sessions == 0, sessions  # each given back at its attempt's end
+
+
+async def _waiting_details(h: Harness, jobs: list[uuid.UUID]) -> str | None:
+    """The heartbeat details of an export's cutoff-2 step that waits for a partner session, if any shows one."""
+    for job in jobs:
+        try:
+            described = await h.client.get_workflow_handle(export_workflow_id(job)).describe()
+        except RPCError:
+            continue  # not started yet
+        for pending in described.raw_description.pending_activities:
+            if pending.activity_type.name == "authorize_delivery" and pending.heartbeat_details.payloads:
+                text = pending.heartbeat_details.payloads[0].data.decode()
+                if "session" in text:
+                    return text
+    return None
