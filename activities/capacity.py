@@ -65,6 +65,11 @@ class Slots:
     def holds(self, key: Key) -> bool:
         return key in self._held
 
+    @property
+    def free(self) -> bool:
+        """Whether a slot can be had now, without waiting."""
+        return self.in_use < self.limit and not self._waiters
+
     async def acquire(self, key: Key) -> bool:
         """Hold a slot for the attempt: at once if it holds one already, else after every earlier waiter, when one
         is free. Whether it had to wait."""
@@ -107,7 +112,7 @@ class Slots:
         self._wake()
 
     async def _turn(self) -> bool:
-        if self.in_use < self.limit and not self._waiters:
+        if self.free:
             return False
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
@@ -147,7 +152,8 @@ class Slots:
             self._wake()
 
     def _changed(self) -> None:
-        metrics.slots(self.kind, in_use=min(self.in_use, self.limit), waiting=self.waiting, limit=self.limit)
+        # Attempts only: an idle worker's polls hold tickets too, which would read as work.
+        metrics.slots(self.kind, in_use=len(self._held), waiting=self.waiting, limit=self.limit)
 
 
 class WorkerCapacity:

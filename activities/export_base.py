@@ -164,10 +164,13 @@ class ExportActivitiesBase:
         key = (job_id, attempt_id)
         if slots.adopt(key):
             return
-        log.info("export %s attempt %s waits for a %s slot (%d of %d held here)", job_id, attempt_id, slots.kind,
+        if slots.free:
+            await slots.acquire(key)  # at once: no other step waits, and no await comes between
+            return
+        log.info("export %s attempt %s waits for a free %s slot (%d of %d held here)", job_id, attempt_id, slots.kind,
                  slots.in_use, slots.limit)
         metrics.slot_wait(slots.kind)
-        details["waiting"] = f"for a {slots.kind} slot"
+        details["waiting"] = f"for a free {slots.kind} slot"
         try:
             await slots.acquire(key)
         finally:

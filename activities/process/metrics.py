@@ -59,8 +59,8 @@ FOLLOW_UP_LOOKS = Counter("exports_follow_up_looks",
                           "The evidence follow-up's looks at OutcomeUnknown exports, by what each concluded "
                           "(Completed: settled by proof; OutcomeUnknown: not settled; Unreachable: no look had)",
                           ["concluded"])
-SLOTS_IN_USE = Gauge("exports_worker_slots_in_use",
-                     "This worker's build and upload slots held (by an attempt, or by a poll for a claim)", ["kind"])
+SLOTS_IN_USE = Gauge("exports_worker_slots_in_use", "This worker's build and upload slots held by attempts",
+                     ["kind"])
 SLOTS_LIMIT = Gauge("exports_worker_slots_limit", "This worker's build and upload slots (EXPORTS_MAX_BUILDS, "
                     "EXPORTS_MAX_UPLOADS)", ["kind"])
 SLOTS_WAITING = Gauge("exports_worker_slots_waiting", "Steps on this worker waiting for a build or upload slot, "

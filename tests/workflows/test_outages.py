@@ -369,6 +369,40 @@ async def test_sigterm_hands_back_a_built_attempt_whose_next_step_has_not_starte
     assert "handed back" in log and "Traceback" not in log, log[-3000:]
 
 
+@pytest.mark.spec("LV6", "LD2")
+async def test_sigterm_hands_back_an_attempt_waiting_for_an_upload_slot(db, store, client, tmp_path):
+    """One upload slot, held by a slow upload; a second export built and waiting at cutoff 2 for the slot when the
+    worker gets SIGTERM. The waiting attempt authorizes nothing and is handed back at once (its lease ends), while
+    the upload in flight ends within the grace; another worker then delivers the second export."""
+    lease = 30.0  # long, so that waiting it out would show
+    async with crash_world(db, store, client, tmp_path, lease_seconds=lease, renew_every_seconds=1.0,
+                           upload_throttle_bytes_per_second=6000) as h, processes(h) as started:
+        leaving = await start_worker(started, h, max_uploads=1, shutdown_grace_seconds=20.0)
+        uploading = await h.create()
+        await eventually(lambda: h.store.read_job(uploading), lambda r: r.status is Status.DELIVERING,
+                         timeout=BOUND, interval=0.1, what="the first export uploading")
+        waiting = await h.create()
+        await eventually(lambda: asyncio.sleep(0, leaving.log_path.read_text()),
+                         lambda text: f"export {waiting}" in text and "waits for a free upload slot" in text,
+                         timeout=BOUND, interval=0.1, what="the second export waiting for the upload slot")
+        first = (await h.store.read_job(waiting)).attempt_id
+        leaving.process.send_signal(signal.SIGTERM)
+        await eventually(lambda: h.db.admin.fetchval(
+            "SELECT lease_expires_at <= clock_timestamp() FROM export_jobs WHERE id = $1", waiting), bool,
+            timeout=5.0, interval=0.1, what="the waiting attempt's lease ended by the worker that leaves")
+        await asyncio.wait_for(leaving.process.wait(), timeout=lease)
+        assert (await h.store.read_job(uploading)).status is Status.COMPLETED  # the upload in flight ended
+        await start_worker(started, h)
+        report = await asyncio.wait_for(run_recovery(h.client, h.settings), timeout=BOUND)
+        assert [t.recorded for t in report.taken_over if t.job_id == waiting] == ["RequeuedByRecovery"]
+        row = await h.settled(waiting)
+    assert row.status is Status.COMPLETED and row.attempt_count == 2, row
+    assert [e["kind"] for e in await events(h.db, waiting) if e["attempt_id"] == first] == [
+        "Claimed", "BuildStarted", "RequeuedByRecovery"]
+    log = leaving.log_path.read_text()
+    assert "handed back while it waited" in log and "Traceback" not in log, log[-3000:]
+
+
 @pytest.mark.spec("OU6")
 async def test_a_step_retried_through_a_postgresql_outage_logs_one_line_a_try_not_a_traceback(
         db, store, client, tmp_path):
