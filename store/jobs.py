@@ -335,21 +335,13 @@ class JobStore(RoleStore):
             return AuthorizationResult.AUTHORIZED
         if written.unanswered is not None:
             return AuthorizationResult.UNKNOWN
-        row = written.row
-        if row is None or row["attempt_id"] != attempt_id:
-            return AuthorizationResult.NOT_OWNER
-        if file.holder is not None and row["claimed_by"] != file.holder:
-            return AuthorizationResult.NOT_OWNER  # another build of this attempt fenced this one
-        if row["status"] == Status.DELIVERING:
-            return AuthorizationResult.AUTHORIZED
-        if row["status"] != Status.RUNNING:
-            return AuthorizationResult.NOT_OWNER
-        if row["stop_recorded"]:
-            return AuthorizationResult.STOP_RECORDED
-        if row["original_status"] == Status.COMPLETED:
-            return AuthorizationResult.ORIGINAL_COMPLETED
-        # Expired, or renewed between the refusal and this read: either way, renew and retry once.
-        return AuthorizationResult.LEASE_LAPSED
+        return _authorization_in(written.row, attempt_id, file.holder)
+
+    async def authorization_on_record(self, job_id: UUID, attempt_id: UUID,
+                                      holder: str | None) -> AuthorizationResult:
+        """What the row says of an attempt's cutoff 2 whose answer and re-read were both lost (UNKNOWN), read with
+        the same statement as that re-read; a read that fails is raised, for the caller to ask again."""
+        return _authorization_in(await self.db.row("ownership_reread", job_id=job_id), attempt_id, holder)
 
     async def finish_stopped(self, job_id: UUID, attempt_id: UUID, stop_point: str, *,
                              holder: str | None = None) -> bool:
@@ -440,3 +432,22 @@ class JobStore(RoleStore):
             observed_by=observed_by,
             detail=json.dumps(detail, sort_keys=True, default=str),
         )
+
+
+def _authorization_in(row: dict[str, Any] | None, attempt_id: UUID, holder: str | None) -> AuthorizationResult:
+    """Cutoff 2's answer as the row tells it (ownership_reread.sql), when the write changed nothing or its answer was
+    lost."""
+    if row is None or row["attempt_id"] != attempt_id:
+        return AuthorizationResult.NOT_OWNER
+    if holder is not None and row["claimed_by"] != holder:
+        return AuthorizationResult.NOT_OWNER  # another build of this attempt fenced this one
+    if row["status"] == Status.DELIVERING:
+        return AuthorizationResult.AUTHORIZED
+    if row["status"] != Status.RUNNING:
+        return AuthorizationResult.NOT_OWNER
+    if row["stop_recorded"]:
+        return AuthorizationResult.STOP_RECORDED
+    if row["original_status"] == Status.COMPLETED:
+        return AuthorizationResult.ORIGINAL_COMPLETED
+    # Expired, or renewed between the refusal and this read: either way, renew and retry once.
+    return AuthorizationResult.LEASE_LAPSED

@@ -276,6 +276,32 @@ async def test_cutoff_2_cut_after_commit_and_reread_held_past_its_bound__unknown
     assert (await job_row(db, job_id))["status"] == "Delivering"
 
 
+
+@pytest.mark.spec("PT5")
+async def test_cutoff_2_step_whose_answer_and_reread_are_lost_asks_the_row_again_and_finds_itself_authorized(
+        db, store, proxy, faulty, tmp_path):
+    """The step, not the store: cutoff 2 committed, its answer cut and its re-read held past its bound (Unknown at
+    the store, as above). Once connections are taken again the step reads the row again and answers Authorized,
+    keeping its file, instead of leaving an authorized attempt for recovery to take back (a failover's case)."""
+    job_id, attempt_id = await running_job(db, store)
+    job = await store.read_job(job_id)
+    file = built_file(tmp_path, job)
+    activities = ExportActivities(faulty, db.settings(), worker_id="worker-a", worker_task_queue="unused")
+    await warm(faulty, proxy, job_id)
+    proxy.hold_new_connections()
+    cut = proxy.cut_after_commit(CUTOFF_2)
+    step = asyncio.create_task(activities.authorize_delivery(AuthorizeInput(job=job, attempt_id=attempt_id,
+                                                                            file=file)))
+    await eventually(lambda: asyncio.sleep(0, cut.is_set()), bool, timeout=BOUND, what="cutoff 2 cut")
+    await asyncio.sleep(3.0)  # past the re-read's bound: the store answered Unknown, and the step asks again
+    assert not step.done()
+    proxy.accept_new_connections()
+    output = await asyncio.wait_for(step, BOUND)
+    assert output.result is AuthorizationResult.AUTHORIZED
+    assert Path(file.path).exists()  # kept for the upload
+    assert (await job_row(db, job_id))["status"] == "Delivering"
+    await activities.close()
+
 # --- the terminal writes ---------------------------------------------------------------------------------------
 
 
