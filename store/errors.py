@@ -151,8 +151,11 @@ _TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "55P03", "57014"})
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Worth retrying: connection loss or a timeout (uncertain), or a server answer that may change."""
+    """Worth retrying: connection loss or a timeout (uncertain), a server answer that may change, or no host that
+    answers as the URL asks (a failover under way: no primary yet; nothing was sent)."""
     if is_uncertain(exc):
+        return True
+    if any(isinstance(e, asyncpg.exceptions.TargetServerAttributeNotMatched) for e in _wrapped(exc)):
         return True
     err = postgres_error(exc)
     return err is not None and (err.sqlstate in _TRANSIENT_SQLSTATES or err.sqlstate.startswith("53"))

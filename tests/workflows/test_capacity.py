@@ -35,6 +35,22 @@ def most_at_once(intervals: Iterable[tuple[datetime, datetime]]) -> int:
     return most
 
 
+async def completed_first_time(db, rows: list, jobs: list[uuid.UUID]) -> dict[uuid.UUID, dict[str, datetime]]:
+    """Every export Completed on its first attempt, none taken over by recovery: when each event kind was first
+    recorded, per export."""
+    assert all(row.status is Status.COMPLETED and row.attempt_count == 1 for row in rows), \
+        [(row.status, row.attempt_count) for row in rows]
+    events = await db.admin.fetch(
+        "SELECT job_id, kind, recorded_at FROM export_attempt_events WHERE job_id = ANY($1::uuid[]) "
+        "ORDER BY recorded_at", jobs)
+    kinds = {event["kind"] for event in events}
+    assert not kinds & {"RequeuedByRecovery", "AttemptsExhausted", "ResolvedByRecovery"}, kinds
+    at: dict[uuid.UUID, dict[str, datetime]] = {}
+    for event in events:
+        at.setdefault(event["job_id"], {}).setdefault(event["kind"], event["recorded_at"])
+    return at
+
+
 async def recovering(h: Harness, stop: asyncio.Event, runs: list[int]) -> None:
     """Recovery every half second meanwhile: an attempt taken for lost would be taken over."""
     while not stop.is_set():
@@ -62,17 +78,8 @@ async def test_a_worker_runs_its_configured_builds_and_uploads_at_once_and_no_wa
             stop.set()
             await asyncio.wait_for(recovery, 30)
 
-    assert all(row.status is Status.COMPLETED and row.attempt_count == 1 for row in rows), \
-        [(row.status, row.attempt_count) for row in rows]
+    at = await completed_first_time(db, rows, jobs)
     assert len(runs) >= 10, f"recovery ran {len(runs)} times only"
-    events = await db.admin.fetch(
-        "SELECT job_id, kind, recorded_at FROM export_attempt_events WHERE job_id = ANY($1::uuid[]) "
-        "ORDER BY recorded_at", jobs)
-    kinds = {event["kind"] for event in events}
-    assert not kinds & {"RequeuedByRecovery", "AttemptsExhausted", "ResolvedByRecovery"}, kinds
-    at: dict[uuid.UUID, dict[str, datetime]] = {}
-    for event in events:
-        at.setdefault(event["job_id"], {}).setdefault(event["kind"], event["recorded_at"])
     # The creation's wake-up is written with the row.
     created = {row["job_id"]: row["created"] for row in await db.admin.fetch(
         "SELECT job_id, min(created_at) AS created FROM outbox WHERE job_id = ANY($1::uuid[]) GROUP BY job_id", jobs)}
@@ -119,16 +126,7 @@ async def test_no_more_uploads_run_to_a_partner_than_its_contract_allows_across_
         workers = {row["claimed_by"].split("/")[0] for row in await db.admin.fetch(
             "SELECT claimed_by FROM export_jobs WHERE id = ANY($1::uuid[])", jobs)}
 
-    assert all(row.status is Status.COMPLETED and row.attempt_count == 1 for row in rows), \
-        [(row.status, row.attempt_count) for row in rows]
-    events = await db.admin.fetch(
-        "SELECT job_id, kind, recorded_at FROM export_attempt_events WHERE job_id = ANY($1::uuid[]) "
-        "ORDER BY recorded_at", jobs)
-    kinds = {event["kind"] for event in events}
-    assert not kinds & {"RequeuedByRecovery", "AttemptsExhausted", "ResolvedByRecovery"}, kinds
-    at: dict[uuid.UUID, dict[str, datetime]] = {}
-    for event in events:
-        at.setdefault(event["job_id"], {}).setdefault(event["kind"], event["recorded_at"])
+    at = await completed_first_time(db, rows, jobs)
     uploading = [(at[job]["DeliveryAuthorized"], at[job]["Finished"]) for job in jobs]
     print(f"\nLD3: uploads at once to the partner {most_at_once(uploading)} (its contract: 1); claimed by "
           f"{len(workers)} workers; seen waiting: {waiting}")
