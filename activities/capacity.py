@@ -62,24 +62,19 @@ class Slots:
     def waiting(self) -> int:
         return sum(1 for waiter in self._waiters if not waiter.done())
 
-    def holds(self, key: Key) -> bool:
-        return key in self._held
-
     @property
     def free(self) -> bool:
         """Whether a slot can be had now, without waiting."""
         return self.in_use < self.limit and not self._waiters
 
-    async def acquire(self, key: Key) -> bool:
+    async def acquire(self, key: Key) -> None:
         """Hold a slot for the attempt: at once if it holds one already, else after every earlier waiter, when one
-        is free. Whether it had to wait."""
-        if key in self._held:
-            self.adopt(key)
-            return False
-        waited = await self._turn()
+        is free."""
+        if self.adopt(key):
+            return
+        await self._turn()
         self._held[key] = None
         self._changed()
-        return waited
 
     def hold(self, key: Key, *, adopt_within: float) -> None:
         """A slot for the attempt without waiting (a claim, whose ticket was counted): released unless its next
@@ -96,7 +91,7 @@ class Slots:
         return True
 
     def release(self, key: Key) -> None:
-        timer = self._held.pop(key, None) if key in self._held else None
+        timer = self._held.pop(key, None)
         if timer is not None:
             timer.cancel()
         self._wake()
