@@ -147,10 +147,11 @@ class DeliveryActivities(ExportActivitiesBase):
     async def _partner_session(self, job: JobRow, attempt_id: UUID, details: dict[str, Any]) -> None:
         """A session at the destination's partner, where its contract limits them (LD3): taken with one
         statement, asked again every second while all are held (the lease kept, the wait in the heartbeat
-        details), and through a blip of the database."""
+        details), and through an outage of the database as long as the lease outlives it (the wait ends once the
+        lease is lost or lapsing): giving up sooner lost an attempt its keeper still held (a failover)."""
         destination = await retry_patiently(
             lambda: self.store.read_destination(job.tenant_id, job.destination_id), retryable=errors.is_transient,
-            patience=self.settings.lease_seconds / 2, first_delay=0.5, max_delay=2.0,
+            patience=self.settings.lease_seconds, first_delay=0.5, max_delay=_SESSION_RETRY_SECONDS,
             what=f"cutoff 2 of {job.id} reads its destination")
         limit = None if destination is None else destination.get("max_sessions")
         if limit is None:
@@ -265,11 +266,12 @@ class DeliveryActivities(ExportActivitiesBase):
                     destination = await self.store.read_destination(job.tenant_id, job.destination_id)
                     return destination, (await self._replacement(job) if destination is not None else None)
 
-                # Nothing is sent yet: a read lost to a blip is read again (the keeper renews meanwhile), rather
-                # than leave an authorized attempt that never uploaded for recovery to call OutcomeUnknown.
+                # Nothing is sent yet: a read lost to an outage is read again for as long as a lease (the keeper
+                # renews meanwhile), rather than leave an authorized attempt that never uploaded for recovery to
+                # call OutcomeUnknown.
                 destination, replacement = await retry_patiently(
-                    read_for_upload, retryable=errors.is_transient, patience=self.settings.lease_seconds / 2,
-                    first_delay=0.5, max_delay=2.0, what=f"the upload of {job.id} attempt {attempt_id} reads")
+                    read_for_upload, retryable=errors.is_transient, patience=self.settings.lease_seconds,
+                    first_delay=0.5, max_delay=1.0, what=f"the upload of {job.id} attempt {attempt_id} reads")
                 if destination is None:
                     result = DeliveryResult(
                         outcome="Failed", failure_reason="NotDelivered", summary="destination vanished before upload"

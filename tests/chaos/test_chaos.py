@@ -344,16 +344,28 @@ def hostile_payload(c: Chaos) -> tuple[object, uuid.UUID]:
     return c.rng.choice(payloads), request_id
 
 
-async def send_hostile(c: Chaos, job_id: uuid.UUID) -> None:
+async def send_hostile(c: Chaos, job_id: uuid.UUID) -> bool:
+    """Whether the signal reached an open run (only then is it counted)."""
     payload, request_id = hostile_payload(c)
     try:
         await c.h.client.get_workflow_handle(export_workflow_id(job_id)).signal("cancel", payload)
     except RPCError as exc:  # the workflow closed: not delivered, not counted
         c.note(f"hostile signal to export-{job_id} refused: {exc.status.name}")
-        return
+        return False
     c.hostile_ids.append(request_id)
     c.injected["hostile signal"] += 1
     c.note(f"hostile cancel signal to export-{job_id}: {str(payload)[:80]}")
+    return True
+
+
+async def send_hostile_to_an_open_run(c: Chaos) -> None:
+    """A hostile signal to an export being built or delivered (its workflow open to take a signal); one that ends
+    between the look and the signal is replaced by another, a few times at most."""
+    for _ in range(5):
+        open_ = [r["id"] for r in await in_flight(c) if r["status"] != "Queued"]
+        if await send_hostile(c, c.rng.choice(open_ or c.jobs[-8:])):
+            return
+        await asyncio.sleep(0.5)
 
 
 async def restart_temporal(c: Chaos) -> Fault:
@@ -666,9 +678,8 @@ async def transient_window(c: Chaos) -> None:
                     c.injected["cancel"] += 1
                     c.note(f"cancel {call.job_id} request {call.request_id}")
                     c.tasks.append(asyncio.create_task(do_cancel(c, call)))
-                else:  # to an export being built or delivered: its workflow is open to take a signal
-                    open_ = [r["id"] for r in await in_flight(c) if r["status"] != "Queued"]
-                    c.tasks.append(asyncio.create_task(send_hostile(c, rng.choice(open_ or c.jobs[-8:]))))
+                else:
+                    c.tasks.append(asyncio.create_task(send_hostile_to_an_open_run(c)))
             if plan and not c.partner_armed and now >= next_fault:
                 waiting_since = now if waiting_since is None else waiting_since
                 if await place_fault(c, plan[0]):

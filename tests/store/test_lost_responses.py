@@ -302,6 +302,36 @@ async def test_cutoff_2_step_whose_answer_and_reread_are_lost_asks_the_row_again
     assert (await job_row(db, job_id))["status"] == "Delivering"
     await activities.close()
 
+
+@pytest.mark.spec("PT5", "PT6")
+async def test_cutoff_2_step_started_during_a_database_outage_shorter_than_its_lease_authorizes_afterwards(
+        db, store, proxy, faulty, tmp_path):
+    """A failover seen by the step that reaches cutoff 2 just then: its connections cut, new ones refused for
+    longer than half a lease but less than the lease less one renewal. The lease never lapses (the keeper renews as
+    soon as the database answers again), so the step waits the outage out and authorizes; giving up earlier lost
+    the attempt to a lapse a lease later (the clean failover test, under load)."""
+    lease, renew, outage = 10.0, 1.0, 7.0
+    job_id, attempt_id = await running_job(db, store)
+    job = await store.read_job(job_id)
+    file = built_file(tmp_path, job)
+    activities = ExportActivities(faulty, db.settings(lease_seconds=lease, renew_every_seconds=renew),
+                                  worker_id="worker-a", worker_task_queue="unused")
+    await warm(faulty, proxy, job_id)
+    proxy.cut_all()
+    proxy.refuse_new_connections()
+    step = asyncio.create_task(activities.authorize_delivery(AuthorizeInput(job=job, attempt_id=attempt_id,
+                                                                            file=file)))
+    await asyncio.sleep(outage)
+    assert not step.done(), step.result() if not step.exception() else step.exception()
+    assert proxy.refused >= 3  # the outage was seen: the step and its keeper asked again meanwhile
+    proxy.accept_new_connections()
+    output = await asyncio.wait_for(step, BOUND)
+    assert output.result is AuthorizationResult.AUTHORIZED
+    assert Path(file.path).exists()  # kept for the upload
+    row = await job_row(db, job_id)
+    assert (row["status"], row["attempt_id"]) == ("Delivering", attempt_id)
+    await activities.close()
+
 # --- the terminal writes ---------------------------------------------------------------------------------------
 
 
