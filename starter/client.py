@@ -37,6 +37,7 @@ from workflows.identity import (
     EXPORT_TENANT,
     export_workflow_id,
     job_id_of,
+    tenant_priority,
 )
 
 # What PostgreSQL's integer columns store (export_jobs.version).
@@ -227,6 +228,7 @@ class ExportsClient:
             id=export_workflow_id(request.job_id),
             task_queue=self.task_queue,
             result_type=ExportResult,
+            priority=tenant_priority(request.tenant_id),
         )
 
     def _creation(self, tenant_id: str | uuid.UUID, destination_id: str | uuid.UUID, created_by: str,

@@ -256,7 +256,7 @@ def _app_update_columns() -> tuple[str, ...]:
 def worker_roles() -> tuple[Role, ...]:
     """What the worker uses of each role, as the migrations grant it at the head revision: 0001 (tables), 0005
     (the application's UPDATE narrowed to its columns, and 0010's rename fence), 0009 (the evidence follow-up's
-    looks), 0011 (partner sessions).
+    looks), 0011 (partner sessions), 0012 (the dispatcher's read of an export's tenant).
     tests/deploy/test_preflight.py compares this with the privileges a freshly migrated database holds, so a
     migration that changes a grant changes this too."""
     app = ("exports_app", "EXPORTS_DATABASE_URL", "database_url", (
@@ -270,6 +270,7 @@ def worker_roles() -> tuple[Role, ...]:
     ))
     dispatcher = ("exports_dispatcher", "EXPORTS_DISPATCHER_DATABASE_URL", "dispatcher_database_url", (
         Grant("SELECT", "outbox"), Grant("UPDATE", "outbox", ("published_at",)),
+        Grant("SELECT", "export_jobs", ("id", "tenant_id")),
     ))
     return tuple(Role(*role) for role in (app, dispatcher))
 

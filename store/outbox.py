@@ -77,6 +77,7 @@ class Pending:
     message_id: UUID
     kind: str
     job_id: UUID
+    tenant_id: UUID | None = None  # None only for a wake-up whose export is gone
 
 
 @dataclass(frozen=True)

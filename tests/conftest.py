@@ -33,7 +33,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from starter.localstack.partner import LocalPartner
 from starter.localstack.postgres import ROLES, LocalPostgres, role_urls
-from starter.localstack.temporal import temporal_binary
+from starter.localstack.temporal import TEMPORAL_FAIRNESS, temporal_binary
 from store.db import asyncpg_dsn, make_engine, migrate
 from store.jobs import JobStore
 from store.settings import Settings
@@ -249,6 +249,7 @@ async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
         data_converter=pydantic_data_converter,
         dev_server_existing_path=temporal_binary(),
         search_attributes=SEARCH_ATTRIBUTES,
+        dev_server_extra_args=list(TEMPORAL_FAIRNESS),
         dev_server_log_level="error",
     )
     try:

@@ -50,7 +50,7 @@ with workflow.unsafe.imports_passed_through():
     from activities.exports import ExportActivities
     from store.models import AuthorizationResult, ClaimResult, JobRow, Status
     from workflows import patches
-    from workflows.identity import admission_queue, export_workflow_id
+    from workflows.identity import admission_queue, export_workflow_id, tenant_priority
 
 _UNCONFIRMED_CLAIM_RETRY = timedelta(seconds=5)
 # The longest a claim waits for a worker with a build slot free before the run reads its row again.
@@ -153,7 +153,11 @@ class ExportWorkflow:
                 ExportActivities.claim_if_allowed, AdmitInput(job_id=job_id, attempt_id=attempt_id),
                 summary="read row, evaluate policy, claim (on a worker with a build slot free)",
                 task_queue=admission_queue(workflow.info().task_queue),
-                schedule_to_start_timeout=_ADMISSION_WAIT, **SHORT_STEP
+                schedule_to_start_timeout=_ADMISSION_WAIT,
+                # Keyed to the tenant (LD5): a run started without the key (by hand, or before 0.3.0) has it from
+                # its row once read. Options are not replayed.
+                priority=tenant_priority(self._state.row.tenant_id if self._state.row is not None else None),
+                **SHORT_STEP
             )
         except ActivityError as err:
             # Ended visibly (its failure is in the history); the row is read again at the next wake-up.

@@ -35,7 +35,7 @@ from activities.process.temporal import short_reason
 from store import errors
 from store.db import Bounds, connect_raw
 from store.outbox import LockHolder, Outbox
-from workflows.identity import export_workflow_id
+from workflows.identity import export_workflow_id, tenant_priority
 
 # The logger keeps the name it had before the module moved into process/: log filters and alerts match on it.
 log = logging.getLogger("activities.dispatcher")
@@ -67,7 +67,7 @@ class OutboxDispatcher:
         self._lock_taken_since: float | None = None  # since when every pass has found the lock taken
         self._lock_wait_said = False  # and whether that wait has been warned about
 
-    async def publish(self, message_id: UUID, job_id: UUID) -> None:
+    async def publish(self, message_id: UUID, job_id: UUID, tenant_id: UUID | None = None) -> None:
         await self.client.start_workflow(
             "ExportWorkflow",
             ExportInput(job_id=job_id),
@@ -75,6 +75,9 @@ class OutboxDispatcher:
             task_queue=self.task_queue,
             start_signal="wake",
             start_signal_args=[Wake(message_id=message_id)],
+            # A run started here is keyed to its tenant, and its steps with it (LD5); a run already open keeps its
+            # own key (the signal reaches it; the key is a start's only).
+            priority=tenant_priority(tenant_id),
         )
 
     async def dispatch_once(self) -> int:
@@ -89,7 +92,7 @@ class OutboxDispatcher:
                 await outbox.still_held()
                 try:
                     async with asyncio.timeout(outbox.publish_seconds):
-                        await self.publish(row.message_id, row.job_id)
+                        await self.publish(row.message_id, row.job_id, row.tenant_id)
                 except TimeoutError:
                     await outbox.still_held()  # a pause of this process, rather than Temporal, ends it: LockLost
                     log.warning("outbox row %s (%s for %s) not published, the next pass tries again: Temporal did "

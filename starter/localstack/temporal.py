@@ -14,6 +14,16 @@ from workflows.identity import search_attribute_kinds
 
 log = logging.getLogger(__name__)
 
+# Claims are keyed to their tenant (LD5); the server dispatches keys fairly only where fairness is on, which a
+# self-hosted server's dynamic config decides (docs/operating.md). Fairness holds within a task queue partition:
+# one partition, as a queue served by a few workers needs, makes it exact rather than approximate.
+TEMPORAL_FAIRNESS = (
+    "--dynamic-config-value", "matching.enableFairness=true",
+    "--dynamic-config-value", "matching.numTaskqueueReadPartitions=1",
+    "--dynamic-config-value", "matching.numTaskqueueWritePartitions=1",
+)
+
+
 def temporal_binary() -> str:
     beside = Path(sys.executable).parent / "temporal"
     found = str(beside) if beside.exists() else shutil.which("temporal")
@@ -41,7 +51,7 @@ class LocalTemporal:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         args = [
             "server", "start-dev", "--ip", "127.0.0.1", "--port", str(self.port), "--ui-port", str(self.ui_port),
-            "--db-filename", str(self.state_dir / "temporal.db"), "--log-level", "warn",
+            "--db-filename", str(self.state_dir / "temporal.db"), "--log-level", "warn", *TEMPORAL_FAIRNESS,
         ]
         for name, kind in search_attribute_kinds().items():  # on a cluster: `temporal operator search-attribute create`
             args += ["--search-attribute", f"{name}={kind}"]

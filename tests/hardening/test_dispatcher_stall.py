@@ -199,10 +199,10 @@ async def test_a_dispatcher_cut_off_from_postgresql_mid_pass_ends_its_pass_and_a
     publishing, go_on = asyncio.Event(), asyncio.Event()
 
     class HeldDispatcher(OutboxDispatcher):
-        async def publish(self, message_id, job_id):
+        async def publish(self, message_id, job_id, tenant_id=None):
             publishing.set()
             await go_on.wait()
-            await super().publish(message_id, job_id)
+            await super().publish(message_id, job_id, tenant_id)
 
     direct = make_engine(db.url("dispatcher"))
     async with freezable_forwarder(upstream_of(db.server)) as (address, flowing):

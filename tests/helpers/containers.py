@@ -16,6 +16,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from starter.localstack.temporal import TEMPORAL_FAIRNESS
+
 BACKEND_SETTING = "EXPORTS_TEST_BACKEND"
 POSTGRES_IMAGE = "postgres:18.1-bookworm"
 TEMPORAL_IMAGE = "temporalio/temporal:1.5.0"
@@ -67,7 +69,7 @@ async def temporal_address():  # type: ignore[no-untyped-def]
     from testcontainers.core.container import DockerContainer
 
     container = (DockerContainer(TEMPORAL_IMAGE)
-                 .with_command(["server", "start-dev", "--ip", "0.0.0.0", "--log-level", "warn"])
+                 .with_command(["server", "start-dev", "--ip", "0.0.0.0", "--log-level", "warn", *TEMPORAL_FAIRNESS])
                  .with_exposed_ports(TEMPORAL_PORT))
     with container:
         address = f"{container.get_container_host_ip()}:{container.get_exposed_port(TEMPORAL_PORT)}"

@@ -108,9 +108,12 @@ async def test_permissions__dispatcher_changes_only_published_at(db, store):
         for sql in ("UPDATE outbox SET kind = 'Other'", "UPDATE outbox SET job_id = gen_random_uuid()",
                     "UPDATE outbox SET created_at = now()", "DELETE FROM outbox",
                     "INSERT INTO outbox VALUES (gen_random_uuid(), 'ExportReady', gen_random_uuid(), now(), null)",
-                    "SELECT * FROM export_jobs", "UPDATE export_jobs SET status = 'Canceled'"):
+                    "SELECT * FROM export_jobs", "SELECT status FROM export_jobs", "SELECT id FROM contacts",
+                    "UPDATE export_jobs SET status = 'Canceled'"):
             with pytest.raises(asyncpg.InsufficientPrivilegeError):
                 await dispatcher.execute(sql)
+        # It reads an export's tenant, and nothing else of the row, to key the run it starts (migration 0012).
+        assert await dispatcher.fetchval("SELECT tenant_id FROM export_jobs WHERE id = $1", job_id) == tenant_id
     finally:
         await dispatcher.close()
     assert await db.admin.fetchval("SELECT count(*) FROM outbox WHERE job_id = $1", job_id) == 1

@@ -23,7 +23,7 @@ async def test_migrations_are_at_head_and_applying_them_again_changes_nothing(db
 
     before = await db.admin.fetchval("SELECT version_num FROM alembic_version")
     await migrate(db.url("owner"))
-    assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == before == "0011"
+    assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == before == "0012"
 
 
 async def test_a_destination_contract_names_only_known_hash_evidence(db):

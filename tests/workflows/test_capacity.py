@@ -16,7 +16,7 @@ from temporalio.service import RPCError
 
 from store.models import Status
 from tests.helpers.harness import Harness, WorkerProcess, open_harness, run_recovery, set_contract
-from tests.helpers.support import eventually
+from tests.helpers.support import eventually, seed_tenant
 from workflows.identity import export_workflow_id
 
 LEASE = 3.0
@@ -149,3 +149,48 @@ async def _waiting_details(h: Harness, jobs: list[uuid.UUID]) -> str | None:
                 if "session" in text:
                     return text
     return None
+
+
+BURST = 40  # one tenant's exports, queued at once
+
+
+@pytest.mark.spec("LD5")
+async def test_a_tenants_burst_does_not_hold_back_another_tenants_export(db, store, client, tmp_path):
+    """One build at a time on one worker, so that claims wait in Temporal's admission queue. Tenant A queues a
+    burst; then tenant B queues one export. With each run keyed to its tenant (Temporal's fairness keys; the
+    suite's server has fairness on, one partition a queue), B's claim is dispatched among A's first few, not
+    behind A's whole backlog (first in, first out: last of all, as seen before the keys)."""
+    async with AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path, max_builds=1, build_throttle_bytes_per_second=80_000)
+        partner = h.partner.destination()
+        other_tenant, other_destination = await seed_tenant(db.admin, contacts=200, destination=dict(
+            host=partner.host, port=partner.port, username=partner.username, final_dir=partner.final_dir,
+            temp_dir=partner.temp_dir, host_key=partner.host_key, credential_ref=partner.credential_ref))
+        burst = [await h.create() for _ in range(BURST)]
+        # The burst's claims are waiting in Temporal's queue before B's export is created.
+        await eventually(lambda: _started(h, burst), lambda n: n == BURST, timeout=60, interval=0.2,
+                         what="every export of the burst started")
+        single = await h.exports.create(tenant_id=other_tenant, destination_id=other_destination, created_by="tests")
+        rows = await asyncio.wait_for(asyncio.gather(*(h.settled(job) for job in [*burst, single])), 240)
+
+    at = await completed_first_time(db, rows, [*burst, single])
+    claims = sorted(at, key=lambda job: at[job]["Claimed"])
+    rank = claims.index(single) + 1
+    claimed_before = sum(1 for job in burst if at[job]["Claimed"] < at[single]["Claimed"])
+    print(f"\nLD5: the other tenant's export claimed {rank}th of {len(claims)}; {claimed_before} of the burst's "
+          f"{BURST} claimed before it")
+    # First in, first out, it would come after the whole burst; fairly, among the first few (a claim or two may
+    # have been dispatched, or polled, before it was queued).
+    assert claimed_before <= 4, claimed_before
+    assert claimed_before < BURST - 1  # the burst was still waiting when it came: the test could tell
+
+
+async def _started(h: Harness, jobs: list[uuid.UUID]) -> int:
+    started = 0
+    for job in jobs:
+        try:
+            await h.client.get_workflow_handle(export_workflow_id(job)).describe()
+        except RPCError:
+            continue
+        started += 1
+    return started

@@ -164,14 +164,14 @@ async def test_dispatcher__publishes_every_row_and_retries_with_its_message_id(q
     marking: list[list[tuple[int, str]]] = []
 
     class FlakyDispatcher(OutboxDispatcher):
-        async def publish(self, message_id, job_id):
+        async def publish(self, message_id, job_id, tenant_id=None):
             if failures["left"]:
                 failures["left"] -= 1
                 raise ConnectionError("Temporal unreachable")
             if published:
                 # Mid-batch: the previous row is marked, and its mark committed before this publication began.
                 marking.append(await backends_marking_published(db))
-            await super().publish(message_id, job_id)
+            await super().publish(message_id, job_id, tenant_id)
             published.append(message_id)
 
     dispatcher = FlakyDispatcher(harness.client, Outbox(engine), asyncpg_dsn(db.url("dispatcher")),
