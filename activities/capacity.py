@@ -13,6 +13,11 @@
 Holding its build slot while it waits for an upload slot, an attempt keeps the worker from claiming more than it
 can upload: slow partners fill the upload slots, and claims stop, rather than files piling up built and waiting.
 
+- **A destination's share** (LD4): at most `share` attempts to one destination are in flight here at once (from
+  the claim until the attempt holds neither slot). A claim for a destination at its share waits in its step, its
+  poll's ticket parked (not counted) meanwhile, so the worker goes on claiming for other destinations: one slow
+  partner fills its share, not every upload slot and then every build slot.
+
 A slot held for a step that then never comes here (the run moved on) is released after a bound, as the lease
 keeper stops after its hand-over bound. Slots are counted on the event loop; the slot supplier's synchronous
 callbacks may come from the SDK's own threads, so they only schedule their change onto the loop.
@@ -23,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from uuid import UUID
 
 from temporalio.worker import (
@@ -34,29 +40,41 @@ from temporalio.worker import (
 )
 
 from activities.process import metrics
+from store.settings import default_destination_share
 
 log = logging.getLogger(__name__)
 
 Key = tuple[UUID, UUID]  # (job ID, attempt ID)
 
 
+class ClaimStep:
+    """A claim step counted among those running on the worker, until it ends or its attempt holds a slot."""
+
+    def __init__(self) -> None:
+        self.running = True
+
+
 class Slots:
     """A pool of `limit` slots, each held by one attempt or by a poll's ticket, handed out first come first served.
     Holding counts up to `limit`; a claim's hold may pass it for the moment its ticket is still counted."""
 
-    def __init__(self, kind: str, limit: int) -> None:
+    def __init__(self, kind: str, limit: int, on_change: Callable[[], None] = lambda: None) -> None:
         if limit < 1:
             raise ValueError(f"{kind} slots: the limit must be at least 1, not {limit}")
         self.kind = kind
         self.limit = limit
+        self.on_change = on_change
         self._held: dict[Key, asyncio.TimerHandle | None] = {}  # a timer while the attempt's next step is awaited
         self._tickets = 0
+        self._parked = 0  # tickets whose step waits without counting them (`park`)
+        self._claims = 0  # claim steps running here (not those parked): with the attempts held, the real load
+        self._unparking: list[asyncio.Future[None]] = []
         self._granted = 0  # slots handed to a waiter that has not yet taken it
         self._waiters: deque[asyncio.Future[None]] = deque()
 
     @property
     def in_use(self) -> int:
-        return len(self._held) + self._tickets + self._granted
+        return len(self._held) + self._tickets - self._parked + self._granted
 
     @property
     def waiting(self) -> int:
@@ -76,9 +94,11 @@ class Slots:
         self._held[key] = None
         self._changed()
 
-    def hold(self, key: Key, *, adopt_within: float) -> None:
+    def hold(self, key: Key, *, adopt_within: float, claim: ClaimStep | None = None) -> None:
         """A slot for the attempt without waiting (a claim, whose ticket was counted): released unless its next
         step adopts it within `adopt_within` seconds."""
+        if claim is not None:
+            self.claim_ended(claim)
         self._unwait(key)
         self._held[key] = asyncio.get_running_loop().call_later(adopt_within, self._unadopted, key)
         self._changed()
@@ -89,6 +109,9 @@ class Slots:
             return False
         self._unwait(key)
         return True
+
+    def holds(self, key: Key) -> bool:
+        return key in self._held
 
     def release(self, key: Key) -> None:
         timer = self._held.pop(key, None)
@@ -105,6 +128,56 @@ class Slots:
     def return_ticket(self) -> None:
         self._tickets = max(0, self._tickets - 1)
         self._wake()
+
+    def claim_started(self) -> ClaimStep | None:
+        """A claim step begins: its place among the claims running, or None if it does not fit (attempts held
+        and claims running over the limit). A poll's ticket guarantees it fits, except after a claim that waited
+        for its destination went ahead of an idle poll (`unpark`): then this one does not claim here."""
+        self._claims += 1
+        step = ClaimStep()
+        if len(self._held) + self._claims > self.limit:
+            self.claim_ended(step)
+            return None
+        return step
+
+    def claim_ended(self, step: ClaimStep) -> None:
+        """The claim step ends, or its attempt now holds its build slot (`hold`): it counts once, not twice."""
+        if step.running:
+            step.running = False
+            self._claims -= 1
+            self._changed()
+
+    def park(self) -> bool:
+        """A claim step stops counting while it waits (for its destination's share), and so does its poll's
+        ticket, so that the worker polls again; whether it had a ticket to park (a worker without the admission
+        slot supplier has none). Its poll's release still returns the ticket, whatever the order: a parked step
+        always unparks (`unpark`) before it ends."""
+        self._claims -= 1
+        parked = self._tickets - self._parked > 0
+        if parked:
+            self._parked += 1
+        self._wake()
+        return parked
+
+    async def unpark(self, *, ticket: bool, wait: bool) -> None:
+        """The parked step counts again, with its ticket if it parked one: if `wait` (it goes on to claim), once
+        the attempts held and the claims running leave room, ahead of polls (an idle poll's ticket is no load,
+        and its long poll may last a minute); at once otherwise (it gives up, and its release comes next)."""
+        try:
+            if wait:
+                while len(self._held) + self._claims >= self.limit:
+                    room: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                    self._unparking.append(room)
+                    try:
+                        await room
+                    finally:
+                        if room in self._unparking:
+                            self._unparking.remove(room)
+        finally:
+            self._claims += 1
+            if ticket:
+                self._parked -= 1
+            self._changed()
 
     async def _turn(self) -> bool:
         if self.free:
@@ -149,19 +222,93 @@ class Slots:
     def _changed(self) -> None:
         # Attempts only: an idle worker's polls hold tickets too, which would read as work.
         metrics.slots(self.kind, in_use=len(self._held), waiting=self.waiting, limit=self.limit)
+        unparking, self._unparking = self._unparking, []
+        for room in unparking:
+            if not room.done():
+                room.set_result(None)
+        self.on_change()
+
+
+class DestinationShares:
+    """At most `limit` attempts to one destination in flight on this worker: reserved by a claim under way, then
+    counted while the attempt holds a build or an upload slot here (so every way an attempt ends here, or never
+    comes, frees its place with its slots)."""
+
+    def __init__(self, limit: int, pools: tuple[Slots, ...]) -> None:
+        if limit < 1:
+            raise ValueError(f"a destination's share must be at least 1, not {limit}")
+        self.limit = limit
+        self._pools = pools
+        self._claiming: dict[Key, UUID] = {}
+        self._claimed: dict[Key, UUID] = {}
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def in_flight(self, destination: UUID) -> int:
+        for key in [key for key in self._claimed if not any(pool.holds(key) for pool in self._pools)]:
+            del self._claimed[key]
+        return sum(1 for held in (*self._claimed.values(), *self._claiming.values()) if held == destination)
+
+    def reserve(self, destination: UUID, key: Key) -> bool:
+        """A place for the attempt's claim, if its destination is under its share."""
+        if key in self._claiming or key in self._claimed:
+            return True
+        if self.in_flight(destination) >= self.limit:
+            return False
+        self._claiming[key] = destination
+        return True
+
+    async def wait_for_room(self, destination: UUID, key: Key, within: float) -> bool:
+        """`reserve`, waiting up to `within` seconds for a place to free; whether it got one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while not self.reserve(destination, key):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            freed: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(freed)
+            try:
+                await asyncio.wait_for(freed, remaining)
+            except TimeoutError:
+                pass
+            finally:
+                if freed in self._waiters:
+                    self._waiters.remove(freed)
+        return True
+
+    def settle(self, key: Key, *, claimed: bool) -> None:
+        """The claim's answer: a claimed attempt keeps its place while it holds a slot; any other gives it up."""
+        destination = self._claiming.pop(key, None)
+        if claimed and destination is not None:
+            self._claimed[key] = destination
+        self.changed()
+
+    def changed(self) -> None:
+        """A slot or a place was freed, perhaps: every waiter looks again."""
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
 
 class WorkerCapacity:
-    """The worker's build and upload slots."""
+    """The worker's build and upload slots, and each destination's share of them."""
 
-    def __init__(self, *, max_builds: int, max_uploads: int) -> None:
-        self.builds = Slots("build", max_builds)
-        self.uploads = Slots("upload", max_uploads)
+    def __init__(self, *, max_builds: int, max_uploads: int, destination_share: int | None = None) -> None:
+        self.builds = Slots("build", max_builds, on_change=self._changed)
+        self.uploads = Slots("upload", max_uploads, on_change=self._changed)
+        self.shares = DestinationShares(destination_share or default_destination_share(max_builds, max_uploads),
+                                        (self.builds, self.uploads))
 
     def release(self, key: Key) -> None:
         """The attempt's lease keeper ended here: whatever it held is free."""
         self.builds.release(key)
         self.uploads.release(key)
+
+    def _changed(self) -> None:
+        shares = getattr(self, "shares", None)  # None while the pools are being built
+        if shares is not None:
+            shares.changed()
 
 
 class AdmissionSlots(CustomSlotSupplier):

@@ -16,6 +16,12 @@ EXPORT_ID_TAKEN = "ExportIdTaken"
 EXPORT_NOT_CREATED = "ExportNotCreated"
 # The run read no row for its job ID.
 EXPORT_NOT_FOUND = "ExportNotFound"
+# A claim that waited its bound for its destination's share of the worker (LD4), or whose worker began shutting
+# down meanwhile: nothing was claimed, and Temporal schedules the claim again, on any worker.
+DESTINATION_BUSY = "DestinationBusy"
+# A claim that found this worker's build slots taken (by a claim that waited for its destination and went ahead
+# of this one's poll): nothing was claimed, and Temporal schedules the claim again, on any worker.
+WORKER_BUSY = "WorkerBusy"
 
 
 def store_refusal(exc: BaseException, message: str) -> ApplicationError:

@@ -92,7 +92,8 @@ class ExportActivitiesBase:
         self.worker_task_queue = worker_task_queue
         self.checkpoints = checkpoints.Checkpoints()
         # How many builds and uploads run here at once (activities/capacity.py).
-        self.capacity = WorkerCapacity(max_builds=settings.max_builds, max_uploads=settings.max_uploads)
+        self.capacity = WorkerCapacity(max_builds=settings.max_builds, max_uploads=settings.max_uploads,
+                                       destination_share=settings.destination_share)
         # Attempts here that hold a session at their partner (take_partner_session.sql), given back at their end.
         self.partner_sessions: set[tuple[UUID, UUID]] = set()
         self._releases: set[asyncio.Task[None]] = set()

@@ -6,7 +6,10 @@ side of an attempt is in activities/build_activities.py, its delivery side in ac
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
+from datetime import timedelta
 from typing import Any
 from uuid import UUID
 
@@ -15,6 +18,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities import checkpoints, error_types
 from activities.build_activities import BuildActivities
+from activities.capacity import ClaimStep
 from activities.contracts import (
     MAX_NAME,
     MAX_REASON,
@@ -31,11 +35,21 @@ from activities.contracts import (
 from activities.delivery_activities import DeliveryActivities
 from activities.destination import InvalidDestination, validate_destination
 from activities.export_base import activity_methods
+from activities.lease import heartbeating
+from activities.process import metrics
 from store import errors
 from store.models import ClaimResult, Status
 from workflows.identity import EXPORT_WORKFLOW_PREFIX
 
 log = logging.getLogger(__name__)
+
+# The claim step running in this task, if any: its attempt's build slot replaces it in the worker's count.
+_CLAIM_STEP: contextvars.ContextVar[ClaimStep | None] = contextvars.ContextVar("claim_step", default=None)
+# How long a claim waits in its step for its destination's share (LD4): below the claim's start-to-close timeout
+# (workflows/export.py), so that it ends, and is scheduled again, before Temporal gives up on it.
+_DESTINATION_WAIT = 90.0
+# How often a claim waiting there heartbeats: well within its heartbeat timeout (workflows/export.py).
+_DESTINATION_HEARTBEAT = 10.0
 
 
 class ExportActivities(BuildActivities, DeliveryActivities):
@@ -81,6 +95,18 @@ class ExportActivities(BuildActivities, DeliveryActivities):
         """Read the row, evaluate policy (its only write is the conditional rejection) and, if allowed, claim at the
         version read (cutoff 1): two documented statements, one step. A retry whose first try's claim committed
         finds its attempt in the row; one whose attempt ID a requeue has spent since is Lost."""
+        step = self.capacity.builds.claim_started()
+        if step is None:
+            raise ApplicationError("this worker's build slots are taken; the claim is scheduled again",
+                                   type=error_types.WORKER_BUSY, next_retry_delay=timedelta(seconds=1))
+        token = _CLAIM_STEP.set(step)
+        try:
+            return await self._admit(request)
+        finally:
+            _CLAIM_STEP.reset(token)
+            self.capacity.builds.claim_ended(step)
+
+    async def _admit(self, request: AdmitInput) -> Admission:
         evaluation = await self._evaluate(request.job_id)
         row = evaluation.row
         if row is not None and row.status is Status.RUNNING and row.attempt_id == request.attempt_id:
@@ -89,9 +115,53 @@ class ExportActivities(BuildActivities, DeliveryActivities):
                              attempt=row.attempt_count, idle_recheck_seconds=self.settings.idle_recheck_seconds)
         if row is None or not evaluation.allowed:
             return Admission(evaluation=evaluation, idle_recheck_seconds=self.settings.idle_recheck_seconds)
-        claim = await self._claim(row.id, row.version, request.attempt_id)
+        key = (row.id, request.attempt_id)
+        claim: ClaimOutput | None = None
+        try:
+            if not self.capacity.shares.reserve(row.destination_id, key):
+                # Its destination holds its share of this worker (LD4): wait here, then read the row again.
+                await self._room_at(row.destination_id, key)
+                evaluation = await self._evaluate(request.job_id)
+                row = evaluation.row
+                if row is None or not evaluation.allowed:
+                    return Admission(evaluation=evaluation, idle_recheck_seconds=self.settings.idle_recheck_seconds)
+            claim = await self._claim(row.id, row.version, request.attempt_id)
+        finally:
+            # A place reserved and not claimed with (refused, lost, failed) is given up.
+            self.capacity.shares.settle(key, claimed=claim is not None and claim.result is ClaimResult.CLAIMED)
         return Admission(evaluation=evaluation, claim=claim, attempt=row.attempt_count + 1,
                          idle_recheck_seconds=self.settings.idle_recheck_seconds)
+
+    async def _room_at(self, destination_id: UUID, key: tuple[UUID, UUID]) -> None:
+        """Wait for a place in the destination's share of this worker, the poll's build ticket parked meanwhile so
+        that the worker goes on claiming for other destinations; it counts again before the claim.
+        Bounded below the step's timeout: past it, or when the worker begins shutting down, nothing is claimed and
+        Temporal schedules the claim again, on any worker."""
+        parked = self.capacity.builds.park()
+        metrics.slot_wait("destination")
+        log.info("export %s waits for a place among the %d attempts to its destination this worker holds at once",
+                 key[0], self.capacity.shares.limit)
+        waiting = asyncio.ensure_future(self.capacity.shares.wait_for_room(destination_id, key, _DESTINATION_WAIT))
+        shutdown = asyncio.ensure_future(activity.wait_for_worker_shutdown() if activity.in_activity()
+                                         else asyncio.Event().wait())
+        got = False
+        try:
+            # Its heartbeats keep the claim's short heartbeat timeout from firing while it waits; a claim whose
+            # worker is paused or gone still comes back within that timeout, not the step's longer one.
+            async with heartbeating(_DESTINATION_HEARTBEAT,
+                                    lambda: {"waiting": "for a place among its destination's attempts here"}):
+                await asyncio.wait({waiting, shutdown}, return_when=asyncio.FIRST_COMPLETED)
+            got = waiting.done() and not waiting.cancelled() and waiting.exception() is None and waiting.result()
+        finally:
+            shutdown.cancel()
+            waiting.cancel()
+            await asyncio.gather(waiting, shutdown, return_exceptions=True)
+            await self.capacity.builds.unpark(ticket=parked, wait=got)
+        if not got:
+            raise ApplicationError(
+                f"export {key[0]}: its destination holds its share of this worker "
+                f"({self.capacity.shares.limit} at once); the claim is scheduled again",
+                type=error_types.DESTINATION_BUSY, next_retry_delay=timedelta(seconds=1))
 
     async def _evaluate(self, job_id: UUID) -> Evaluation:
         """Reads and decides; its only write is the conditional rejection, so a repeated wake-up is harmless."""
@@ -126,7 +196,7 @@ class ExportActivities(BuildActivities, DeliveryActivities):
         if result is ClaimResult.CLAIMED:
             # The ticket this claim's poll held becomes the attempt's build slot here, where its build is scheduled
             # (with a schedule-to-start bound of one lease); freed if the build does not come (activities/capacity.py).
-            self.capacity.builds.hold((job_id, attempt_id),
+            self.capacity.builds.hold((job_id, attempt_id), claim=_CLAIM_STEP.get(),
                                       adopt_within=self.settings.lease_seconds + self.settings.renew_every_seconds)
         return ClaimOutput(result=result, worker_task_queue=self.worker_task_queue,
                            lease_seconds=self.settings.lease_seconds)

@@ -17,6 +17,13 @@ from store import urls
 LOCAL_ENV_FILE = Path(".exports/local.env")
 
 
+def default_destination_share(max_builds: int, max_uploads: int) -> int:
+    """A destination's share of a worker when none is set: half its builds and uploads together, and always at
+    least one upload slot left for the other destinations (12 with the defaults). One destination alone then runs
+    at most that many at once: the price of never letting it take the whole worker."""
+    return max(1, min(max_uploads - 1, (max_builds + max_uploads) // 2))
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EXPORTS_", env_file=LOCAL_ENV_FILE, extra="ignore")
 
@@ -45,6 +52,10 @@ class Settings(BaseSettings):
     # holds its build slot until it has an upload slot, so slow partners stop claims rather than pile up files.
     max_builds: int = Field(8, ge=1, le=1000)
     max_uploads: int = Field(16, ge=1, le=1000)
+    # How many attempts to one destination a worker holds at once, from the claim to the end of the upload (LD4):
+    # one slow partner takes no more than its share, and the others' exports go on. Unset:
+    # `default_destination_share`.
+    max_per_destination: int | None = Field(None, ge=1, le=1000)
 
     lease_seconds: float = Field(60.0, gt=0)
     renew_every_seconds: float = Field(20.0, gt=0)
@@ -166,6 +177,13 @@ class Settings(BaseSettings):
         if value.strip().upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ValueError(f"{value!r} is not one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
         return value.strip().upper()
+
+    @property
+    def destination_share(self) -> int:
+        """The most attempts to one destination a worker holds at once (`max_per_destination`)."""
+        if self.max_per_destination is not None:
+            return self.max_per_destination
+        return default_destination_share(self.max_builds, self.max_uploads)
 
     @property
     def heartbeat_seconds(self) -> float:

@@ -55,6 +55,9 @@ with workflow.unsafe.imports_passed_through():
 _UNCONFIRMED_CLAIM_RETRY = timedelta(seconds=5)
 # The longest a claim waits for a worker with a build slot free before the run reads its row again.
 _ADMISSION_WAIT = timedelta(hours=1)
+# The claim's own bound: above its wait for a destination's share (activities/exports.py, _DESTINATION_WAIT).
+_CLAIM_TIMEOUT = timedelta(minutes=2)
+_CLAIM_HEARTBEAT_TIMEOUT = timedelta(seconds=30)
 # A build whose worker is lost resumes elsewhere this many times, each only while its lease renewal matches.
 _BUILD_RESUMPTIONS = 3
 
@@ -157,7 +160,11 @@ class ExportWorkflow:
                 # Keyed to the tenant (LD5): a run started without the key (by hand, or before 0.3.0) has it from
                 # its row once read. Options are not replayed.
                 priority=tenant_priority(self._state.row.tenant_id if self._state.row is not None else None),
-                **SHORT_STEP
+                # It may wait up to 90 s for its destination's share of the worker (LD4), heartbeating, then end
+                # and come again; a claim taken by a worker that is paused or gone comes back within the heartbeat
+                # timeout, as it did within the 30 s start-to-close before.
+                start_to_close_timeout=_CLAIM_TIMEOUT, heartbeat_timeout=_CLAIM_HEARTBEAT_TIMEOUT,
+                retry_policy=SHORT_STEP["retry_policy"],
             )
         except ActivityError as err:
             # Ended visibly (its failure is in the history); the row is read again at the next wake-up.

@@ -8,6 +8,8 @@ import asyncpg
 import pytest
 
 from store import errors
+from store.db import make_engine
+from store.outbox import Outbox
 from tests.helpers.support import create_job, seed_tenant
 
 
@@ -117,3 +119,23 @@ async def test_permissions__dispatcher_changes_only_published_at(db, store):
     finally:
         await dispatcher.close()
     assert await db.admin.fetchval("SELECT count(*) FROM outbox WHERE job_id = $1", job_id) == 1
+
+
+@pytest.mark.spec("LD5")
+async def test_the_dispatchers_batch_takes_tenants_in_turn_each_oldest_first(db, store):
+    """A tenant's burst of wake-ups does not stand in front of another tenant's one: the dispatcher's batch (as
+    its own role) takes each tenant's oldest first, in turns, and names each export's tenant (its run's fairness
+    key)."""
+    burst_tenant, burst_destination = await seed_tenant(db.admin)
+    other_tenant, other_destination = await seed_tenant(db.admin)
+    burst = [await create_job(store, burst_tenant, burst_destination) for _ in range(5)]
+    single = await create_job(store, other_tenant, other_destination)
+    engine = make_engine(db.url("dispatcher"))
+    try:
+        async with Outbox(engine).dispatch_pass() as outbox:
+            assert outbox is not None
+            batch = await outbox.pending(3)
+    finally:
+        await engine.dispose()
+    assert [(row.job_id, row.tenant_id) for row in batch] == [
+        (burst[0], burst_tenant), (single, other_tenant), (burst[1], burst_tenant)]

@@ -14,6 +14,8 @@ from datetime import datetime
 import pytest
 from temporalio.service import RPCError
 
+from starter.localstack.partner import LocalPartner
+from starter.localstack.seed import seed_destination
 from store.models import Status
 from tests.helpers.harness import Harness, WorkerProcess, open_harness, run_recovery, set_contract
 from tests.helpers.support import eventually, seed_tenant
@@ -68,6 +70,8 @@ async def test_a_worker_runs_its_configured_builds_and_uploads_at_once_and_no_wa
         # About 18 kB per export: a build of about 1.5 s, an upload of about 4 s, longer than the lease.
         h = await open_harness(stack, db, store, client, tmp_path, lease_seconds=LEASE, renew_every_seconds=1.0,
                                max_builds=MAX_BUILDS, max_uploads=MAX_UPLOADS,
+                               # One destination here: its share must not be what bounds the attempts.
+                               max_per_destination=MAX_BUILDS + MAX_UPLOADS,
                                build_throttle_bytes_per_second=12_000, upload_throttle_bytes_per_second=4_500)
         stop, runs = asyncio.Event(), []
         recovery = asyncio.create_task(recovering(h, stop, runs))
@@ -194,3 +198,54 @@ async def _started(h: Harness, jobs: list[uuid.UUID]) -> int:
             continue
         started += 1
     return started
+
+
+SLOW = 6  # exports to the slow partner, queued first
+FAST = 3  # then exports to a healthy one
+
+
+@pytest.mark.spec("LD4")
+async def test_one_slow_partner_does_not_slow_the_others(db, store, client, tmp_path):
+    """Two builds and two uploads a worker; a partner that takes seconds for each write, with a backlog queued to
+    it, then a few exports to a healthy partner (one tenant: fairness between tenants plays no part). The slow
+    partner may hold only its share of the worker (one of the two uploads), so the healthy partner's exports are
+    claimed, built and delivered while the slow backlog is still waiting, rather than behind it (first in, first
+    out, its claims queued behind builds that held every build slot waiting for an upload slot)."""
+    async with AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path, lease_seconds=LEASE, renew_every_seconds=1.0,
+                               max_builds=2, max_uploads=2)
+        slow = LocalPartner(tmp_path / "slow-partner")
+        await slow.start()
+        stack.push_async_callback(slow.stop)
+
+        async def crawl(path: str, offset: int) -> None:
+            await asyncio.sleep(2.0)
+
+        slow.hooks.on_write = crawl
+        dest = slow.destination()
+        slow_destination = await seed_destination(
+            db.admin, h.tenant_id, name="slow partner", host=dest.host, port=dest.port, username=dest.username,
+            final_dir=dest.final_dir, temp_dir=dest.temp_dir, host_key=dest.host_key,
+            credential_ref=dest.credential_ref)
+        stop, runs = asyncio.Event(), []
+        recovery = asyncio.create_task(recovering(h, stop, runs))
+        try:
+            backlog = [await h.exports.create(tenant_id=h.tenant_id, destination_id=slow_destination,
+                                              created_by="tests") for _ in range(SLOW)]
+            await eventually(lambda: _started(h, backlog), lambda n: n == SLOW, timeout=60, interval=0.2,
+                             what="every export of the slow backlog started")
+            fast = [await h.create() for _ in range(FAST)]
+            rows = await asyncio.wait_for(asyncio.gather(*(h.settled(job) for job in [*backlog, *fast])), 300)
+        finally:
+            stop.set()
+            await asyncio.wait_for(recovery, 30)
+
+    at = await completed_first_time(db, rows, [*backlog, *fast])
+    fast_done = max(at[job]["Finished"] for job in fast)
+    claimed_after = sum(1 for job in backlog if at[job]["Claimed"] > fast_done)
+    slow_uploads = [(at[job]["DeliveryAuthorized"], at[job]["Finished"]) for job in backlog]
+    print(f"\nLD4: {claimed_after} of the slow partner's {SLOW} exports claimed after the healthy partner's last "
+          f"delivery; slow uploads at once {most_at_once(slow_uploads)}")
+    # Delivered while the slow backlog still waited: at least half of it was claimed only afterwards.
+    assert claimed_after >= SLOW // 2, claimed_after
+    assert most_at_once(slow_uploads) == 1  # its share: one upload slot always left to the others

@@ -375,7 +375,7 @@ async def test_a_paused_upload_taken_back_by_recovery_never_renames(crash_harnes
             report = await asyncio.wait_for(run_recovery(h.client, h.settings), timeout=30)
             assert recorded_for(report, job_id) == ["RequeuedByRecovery"]
             # The next claim may be handed to a poll the paused worker left open: it waits out the claim's
-            # start-to-close (30 s) before another worker takes it.
+            # heartbeat timeout (30 s) before another worker takes it.
             await eventually(lambda: h.store.read_job(job_id), lambda r: r.status.is_settled, timeout=100,
                              interval=0.2, what="the second attempt settled")
             row = await asyncio.wait_for(h.settled(job_id), timeout=60)

@@ -377,7 +377,8 @@ async def test_sigterm_hands_back_an_attempt_waiting_for_an_upload_slot(db, stor
     lease = 30.0  # long, so that waiting it out would show
     async with crash_world(db, store, client, tmp_path, lease_seconds=lease, renew_every_seconds=1.0,
                            upload_throttle_bytes_per_second=6000) as h, processes(h) as started:
-        leaving = await start_worker(started, h, max_uploads=1, shutdown_grace_seconds=20.0)
+        # Both exports on this worker at once (its share for the one destination), one upload at a time.
+        leaving = await start_worker(started, h, max_uploads=1, max_per_destination=2, shutdown_grace_seconds=20.0)
         uploading = await h.create()
         await eventually(lambda: h.store.read_job(uploading), lambda r: r.status is Status.DELIVERING,
                          timeout=BOUND, interval=0.1, what="the first export uploading")

@@ -1,0 +1,172 @@
+"""S2 and S3: what one partner's or one tenant's load does to everyone else's exports, each against the same
+exports alone, measured in the same run on one worker process with default settings.
+
+- S2: small exports to a healthy partner while a backlog of large exports to a slow partner (a link of about
+  50 KB/s, the partner's writes paced by its hook) is queued ahead of them: their p95, from creation to
+  Completed, against their p95 with no backlog. None may end OutcomeUnknown.
+- S3: one tenant's single export while another tenant's burst is queued: its time to Completed against the same
+  export alone.
+
+The backlog is never waited out: once the measured exports are Completed, the stack is stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+import asyncpg
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+
+from bench.stack import Stack, full_stack
+from bench.table import Row
+from starter.client import ExportsClient
+from starter.localstack.partner import LocalPartner
+from starter.localstack.seed import seed_contacts, seed_destination
+from store.db import make_engine
+from store.jobs import JobStore
+
+_CHUNK = 64 * 1024  # the upload's SFTP write size (activities/partner_delivery.py)
+_LINK_BYTES_PER_SECOND = 50_000
+_CONTACT_BYTES = 90  # about, per contact in the built CSV
+
+
+def p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+
+
+async def _completed_within(admin: asyncpg.Connection, jobs: list[uuid.UUID], created: dict[uuid.UUID, float],
+                            timeout: float) -> dict[uuid.UUID, float]:
+    """Seconds from each export's creation to its Completed, seen by polling its row; an error if one settles
+    otherwise (OutcomeUnknown above all) or the bound passes."""
+    done: dict[uuid.UUID, float] = {}
+    deadline = time.monotonic() + timeout
+    while len(done) < len(jobs):
+        rows = await admin.fetch("SELECT id, status FROM export_jobs WHERE id = ANY($1::uuid[])", jobs)
+        for row in rows:
+            if row["id"] in done:
+                continue
+            if row["status"] == "Completed":
+                done[row["id"]] = time.monotonic() - created[row["id"]]
+            elif row["status"] not in ("Queued", "Running", "Delivering"):
+                raise RuntimeError(f"export {row['id']} ended {row['status']}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{len(done)} of {len(jobs)} exports Completed within {timeout:.0f} s")
+        await asyncio.sleep(0.05)
+    return done
+
+
+async def _create(exports: ExportsClient, tenant: uuid.UUID, destination: uuid.UUID, count: int,
+                  created: dict[uuid.UUID, float]) -> list[uuid.UUID]:
+    jobs = []
+    for _ in range(count):
+        job = await exports.create(tenant_id=tenant, destination_id=destination, created_by="bench")
+        created[job] = time.monotonic()
+        jobs.append(job)
+    return jobs
+
+
+async def _tenant(stack: Stack, contacts: int, partner: LocalPartner, name: str) -> tuple[uuid.UUID, uuid.UUID]:
+    tenant = uuid.uuid4()
+    await seed_contacts(stack.admin, tenant, contacts)
+    d = partner.destination()
+    destination = await seed_destination(stack.admin, tenant, name=name, host=d.host, port=d.port,
+                                         username=d.username, final_dir=d.final_dir, temp_dir=d.temp_dir,
+                                         host_key=d.host_key, credential_ref=d.credential_ref)
+    return tenant, destination
+
+
+def _slow_link(partner: LocalPartner) -> None:
+    """The partner's writes paced at about 50 KB/s a file, one write at a time, as a slow link would."""
+    links: dict[str, asyncio.Lock] = {}
+
+    async def paced(path: str, offset: int) -> None:
+        async with links.setdefault(path, asyncio.Lock()):
+            await asyncio.sleep(_CHUNK / _LINK_BYTES_PER_SECOND)
+
+    partner.hooks.on_write = paced
+
+
+async def _with_stack(name: str, contacts: int, body: Callable[[Stack, ExportsClient], Awaitable[Row]]) -> Row:
+    async with full_stack(name, contacts=contacts) as stack:
+        settings = stack.settings(task_queue=f"bench-{name}")
+        await stack.spawn("worker", settings=settings)
+        client = await Client.connect(stack.temporal.address, data_converter=pydantic_data_converter)
+        engine = make_engine(stack.postgres.url("app"))
+        try:
+            return await body(stack, ExportsClient(JobStore(engine, lease_seconds=settings.lease_seconds), client,
+                                                   task_queue=settings.task_queue))
+        finally:
+            await engine.dispose()
+
+
+async def measure_partner(*, small: int, slow: int, slow_megabytes: float) -> Row:
+    async def body(stack: Stack, exports: ExportsClient) -> Row:
+        slow_partner = LocalPartner(stack.folder / "slow-partner")
+        await slow_partner.start()
+        try:
+            _slow_link(slow_partner)
+            big_tenant, slow_destination = await _tenant(
+                stack, int(slow_megabytes * 1_000_000 / _CONTACT_BYTES), slow_partner, "slow")
+            created: dict[uuid.UUID, float] = {}
+            alone = await _completed_within(stack.admin, await _create(
+                exports, stack.tenant, stack.destination, small, created), created, 300)
+            backlog = await _create(exports, big_tenant, slow_destination, slow, created)
+            await _started(stack, backlog, timeout=300)
+            behind = await _completed_within(stack.admin, await _create(
+                exports, stack.tenant, stack.destination, small, created), created, 600)
+            unknown = await stack.admin.fetchval(
+                "SELECT count(*) FROM export_jobs WHERE status = 'OutcomeUnknown'")
+        finally:
+            await slow_partner.stop()
+        row = Row("S2", f"p95 of {small} small exports behind {slow} slow uploads to another partner", "s",
+                  p95(list(behind.values())), p95(list(alone.values())), "the same exports alone", ">= 0.67",
+                  higher_is_better=False)
+        row.notes.append(f"ratio is alone / behind the backlog: the goal is at most 1.5 times their p95 alone; "
+                         f"{unknown} OutcomeUnknown (goal: none); backlog of {slow} exports of about "
+                         f"{slow_megabytes:g} MB at about {_LINK_BYTES_PER_SECOND // 1000} KB/s")
+        return row
+
+    return await _with_stack("partners", 100, body)
+
+
+async def measure_tenant(*, burst: int) -> Row:
+    async def body(stack: Stack, exports: ExportsClient) -> Row:
+        other_tenant, other_destination = await _tenant(stack, 100, stack.partner, "other")
+        created: dict[uuid.UUID, float] = {}
+        alone = await _completed_within(stack.admin, await _create(
+            exports, other_tenant, other_destination, 1, created), created, 120)
+        queued = await _create(exports, stack.tenant, stack.destination, burst, created)
+        await _started(stack, queued[: max(1, burst // 2)], timeout=600)
+        behind = await _completed_within(stack.admin, await _create(
+            exports, other_tenant, other_destination, 1, created), created, 600)
+        still_queued = await stack.admin.fetchval(
+            "SELECT count(*) FROM export_jobs WHERE id = ANY($1::uuid[]) AND status = 'Queued'", queued)
+        single = next(iter(behind))
+        steps = await stack.admin.fetch(
+            "SELECT e.kind, extract(epoch FROM min(e.recorded_at) - o.created) AS after FROM export_attempt_events e, "
+            "(SELECT min(created_at) AS created FROM outbox WHERE job_id = $1) o WHERE e.job_id = $1 "
+            "GROUP BY e.kind, o.created ORDER BY 2", single)
+        row = Row("S3", f"one tenant's export while another's {burst} are queued", "s", behind[single],
+                  next(iter(alone.values())), "the same export alone", ">= 0.5", higher_is_better=False)
+        row.notes.append(f"ratio is alone / behind the burst: the goal is at most 2 times alone; {still_queued} of "
+                         f"the burst still Queued when it Completed; its steps after its creation: "
+                         + ", ".join(f"{step['kind']} {float(step['after']):.2f} s" for step in steps))
+        return row
+
+    return await _with_stack("tenants", 100, body)
+
+
+async def _started(stack: Stack, jobs: list[uuid.UUID], *, timeout: float) -> None:
+    """The exports' runs have taken their wake-up (the outbox row published): their claims are in Temporal's
+    queue, ahead of what comes next."""
+    deadline = time.monotonic() + timeout
+    while await stack.admin.fetchval("SELECT count(*) FROM outbox WHERE job_id = ANY($1::uuid[]) AND "
+                                     "published_at IS NULL", jobs):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the queued exports were not all published within {timeout:.0f} s")
+        await asyncio.sleep(0.1)

@@ -1,0 +1,105 @@
+"""C2: what a flood of `cancel` signals to one open export costs the worker's memory, against the same worker's
+memory before the flood, in the same run.
+
+The export is held open (its upload paced at the partner) while malformed signals, then valid cancels each with
+a fresh request ID, are sent as fast as the server takes them. The worker's resident memory (VmRSS) is read from
+/proc before and after, once the run has caught up. Signals the server refused (its per-run cap on signal events)
+are counted: each one refused after the malformed ones is a cancel the operator could not send that way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from pathlib import Path
+
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.service import RPCError
+
+from bench.stack import full_stack
+from bench.table import Row
+from starter.client import ExportsClient
+from store.db import make_engine
+from store.jobs import JobStore
+from workflows.identity import export_workflow_id
+
+_SENDERS = 50
+
+
+def rss_megabytes(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+async def _send(handle, payloads: list[object]) -> int:  # type: ignore[no-untyped-def]
+    """Each payload as a `cancel` signal, `_SENDERS` at once; how many the server refused."""
+    refused = 0
+    queue = list(reversed(payloads))
+
+    async def sender() -> None:
+        nonlocal refused
+        while queue:
+            payload = queue.pop()
+            try:
+                await handle.signal("cancel", payload)
+            except RPCError:
+                refused += 1
+
+    await asyncio.gather(*(sender() for _ in range(_SENDERS)))
+    return refused
+
+
+async def _settled_memory(pid: int, quiet_seconds: float = 3.0, timeout: float = 300.0) -> float:
+    """The worker's memory once it has stopped changing for a few seconds (the run has caught up)."""
+    deadline = time.monotonic() + timeout
+    last = rss_megabytes(pid)
+    steady_since = time.monotonic()
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        now = rss_megabytes(pid)
+        if abs(now - last) > 1.0:
+            last, steady_since = now, time.monotonic()
+        elif time.monotonic() - steady_since >= quiet_seconds:
+            return now
+    return rss_megabytes(pid)
+
+
+async def measure(*, malformed: int, valid: int) -> Row:
+    async with full_stack("flood", contacts=2000) as stack:
+        settings = stack.settings(task_queue="bench-flood", upload_throttle_bytes_per_second=1000)
+        await stack.spawn("worker", settings=settings)
+        worker_pid = stack.processes[-1].pid
+        client = await Client.connect(stack.temporal.address, data_converter=pydantic_data_converter)
+        engine = make_engine(stack.postgres.url("app"))
+        try:
+            exports = ExportsClient(JobStore(engine, lease_seconds=settings.lease_seconds), client,
+                                    task_queue=settings.task_queue)
+            job = await exports.create(tenant_id=stack.tenant, destination_id=stack.destination, created_by="bench")
+            deadline = time.monotonic() + 120
+            while await stack.admin.fetchval("SELECT status FROM export_jobs WHERE id = $1", job) != "Delivering":
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"export {job} never started its upload")
+                await asyncio.sleep(0.2)
+            before = await _settled_memory(worker_pid)
+            handle = client.get_workflow_handle(export_workflow_id(job))
+            junk: list[object] = [{"request_id": "not-a-uuid", "tenant": str(stack.tenant), "operator": "flood"}
+                                  for _ in range(malformed)]
+            refused_junk = await _send(handle, junk)
+            cancels: list[object] = [{"request_id": str(uuid.uuid4()), "tenant": str(stack.tenant),
+                                      "operator": "flood", "reason": "bench"} for _ in range(valid)]
+            refused_valid = await _send(handle, cancels)
+            after = await _settled_memory(worker_pid)
+            status = await stack.admin.fetchval("SELECT status FROM export_jobs WHERE id = $1", job)
+        finally:
+            await engine.dispose()
+    row = Row("C2", f"worker memory growth after {malformed:,} malformed and {valid:,} valid cancel signals", "MB",
+              max(0.0, after - before), before, "the worker's memory before", "<= 20", higher_is_better=False,
+              goal_on="project")
+    row.notes.append(f"worker {before:.0f} MB before, {after:.0f} MB after; the server refused {refused_junk} of the "
+                     f"malformed and {refused_valid} of the valid signals (its cap on a run's signals); the export "
+                     f"ended {status}")
+    return row
