@@ -30,9 +30,9 @@ SIZES = {
     "P6": ({"megabytes": 200, "rounds": 3}, {"megabytes": 20, "rounds": 1}),
     "S1": ({"exports": 200, "rounds": 3}, {"exports": 20, "rounds": 1, "workers": (2,)}),
     "C1": ({"long_seconds": 60.0, "renew_every": 20.0}, {"long_seconds": 6.0, "renew_every": 2.0}),
-    "S2": ({"small": 20, "slow": 110, "slow_megabytes": 5.5}, {"small": 4, "slow": 12, "slow_megabytes": 0.5}),
-    "S3": ({"burst": 1000}, {"burst": 40}),
-    "C2": ({"malformed": 10_000, "valid": 3_000}, {"malformed": 200, "valid": 50}),
+    "S2": ({"small": 20, "slow": 110, "slow_megabytes": 5.5}, {"small": 4, "slow": 6, "slow_megabytes": 0.3}),
+    "S3": ({"burst": 1000}, {"burst": 24}),
+    "C2": ({"malformed": 10_000, "valid": 3_000}, {"malformed": 100, "valid": 20}),
 }
 MEASURES = {"P1": throughput.measure, "P2": stop.measure, "P3": claims.measure, "P4": recovery.measure,
             "P5": build.measure, "P6": upload.measure, "S1": scaling.measure,

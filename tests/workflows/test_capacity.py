@@ -155,7 +155,7 @@ async def _waiting_details(h: Harness, jobs: list[uuid.UUID]) -> str | None:
     return None
 
 
-BURST = 40  # one tenant's exports, queued at once
+BURST = 24  # one tenant's exports, queued at once
 
 
 @pytest.mark.spec("LD5")
