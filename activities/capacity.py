@@ -47,6 +47,31 @@ log = logging.getLogger(__name__)
 Key = tuple[UUID, UUID]  # (job ID, attempt ID)
 
 
+class Broadcast:
+    """Waiters that look again whenever something may have been freed: `wait` until the next `notify`, or a
+    deadline."""
+
+    def __init__(self) -> None:
+        self._waiters: list[asyncio.Future[None]] = []
+
+    async def wait(self, timeout: float | None = None) -> None:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout)
+        except TimeoutError:
+            pass
+        finally:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+
+    def notify(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+
 class ClaimStep:
     """A claim step counted among those running on the worker, until it ends or its attempt holds a slot."""
 
@@ -68,7 +93,7 @@ class Slots:
         self._tickets = 0
         self._parked = 0  # tickets whose step waits without counting them (`park`)
         self._claims = 0  # claim steps running here (not those parked): with the attempts held, the real load
-        self._unparking: list[asyncio.Future[None]] = []
+        self._unparking = Broadcast()
         self._granted = 0  # slots handed to a waiter that has not yet taken it
         self._waiters: deque[asyncio.Future[None]] = deque()
 
@@ -166,13 +191,7 @@ class Slots:
         try:
             if wait:
                 while len(self._held) + self._claims >= self.limit:
-                    room: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-                    self._unparking.append(room)
-                    try:
-                        await room
-                    finally:
-                        if room in self._unparking:
-                            self._unparking.remove(room)
+                    await self._unparking.wait()
         finally:
             self._claims += 1
             if ticket:
@@ -222,10 +241,7 @@ class Slots:
     def _changed(self) -> None:
         # Attempts only: an idle worker's polls hold tickets too, which would read as work.
         metrics.slots(self.kind, in_use=len(self._held), waiting=self.waiting, limit=self.limit)
-        unparking, self._unparking = self._unparking, []
-        for room in unparking:
-            if not room.done():
-                room.set_result(None)
+        self._unparking.notify()
         self.on_change()
 
 
@@ -241,7 +257,7 @@ class DestinationShares:
         self._pools = pools
         self._claiming: dict[Key, UUID] = {}
         self._claimed: dict[Key, UUID] = {}
-        self._waiters: list[asyncio.Future[None]] = []
+        self._freed = Broadcast()
 
     def in_flight(self, destination: UUID) -> int:
         for key in [key for key in self._claimed if not any(pool.holds(key) for pool in self._pools)]:
@@ -265,15 +281,7 @@ class DestinationShares:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return False
-            freed: asyncio.Future[None] = loop.create_future()
-            self._waiters.append(freed)
-            try:
-                await asyncio.wait_for(freed, remaining)
-            except TimeoutError:
-                pass
-            finally:
-                if freed in self._waiters:
-                    self._waiters.remove(freed)
+            await self._freed.wait(remaining)
         return True
 
     def settle(self, key: Key, *, claimed: bool) -> None:
@@ -285,30 +293,24 @@ class DestinationShares:
 
     def changed(self) -> None:
         """A slot or a place was freed, perhaps: every waiter looks again."""
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        self._freed.notify()
 
 
 class WorkerCapacity:
     """The worker's build and upload slots, and each destination's share of them."""
 
     def __init__(self, *, max_builds: int, max_uploads: int, destination_share: int | None = None) -> None:
-        self.builds = Slots("build", max_builds, on_change=self._changed)
-        self.uploads = Slots("upload", max_uploads, on_change=self._changed)
+        self.builds = Slots("build", max_builds)
+        self.uploads = Slots("upload", max_uploads)
         self.shares = DestinationShares(destination_share or default_destination_share(max_builds, max_uploads),
                                         (self.builds, self.uploads))
+        # A slot freed may be a destination's place freed: its waiting claims look again.
+        self.builds.on_change = self.uploads.on_change = self.shares.changed
 
     def release(self, key: Key) -> None:
         """The attempt's lease keeper ended here: whatever it held is free."""
         self.builds.release(key)
         self.uploads.release(key)
-
-    def _changed(self) -> None:
-        shares = getattr(self, "shares", None)  # None while the pools are being built
-        if shares is not None:
-            shares.changed()
 
 
 class AdmissionSlots(CustomSlotSupplier):
