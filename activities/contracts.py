@@ -179,6 +179,16 @@ class CancelOutput(BaseModel):
     result: CancellationResult
 
 
+class CancelBatch(BaseModel):
+    """Cancellation requests that waited together, recorded by one step (runs that accept the cancel Update)."""
+
+    requests: list[CancelRequest] = Field(min_length=1, max_length=100)
+
+
+class CancelBatchOutput(BaseModel):
+    results: list[CancellationResult]  # one per request, in the batch's order
+
+
 class RecoveryInput(BaseModel):
     limit: int = Field(default=100, ge=1)  # candidates per batch
     rounds: int = Field(default=10, ge=1, le=100)  # batches per run at most: 1,000 takeovers by default

@@ -25,6 +25,8 @@ from activities.contracts import (
     TEMPORAL_CANCEL_OPERATOR,
     Admission,
     AdmitInput,
+    CancelBatch,
+    CancelBatchOutput,
     CancelOutput,
     CancelRequest,
     ClaimInput,
@@ -216,6 +218,16 @@ class ExportActivities(BuildActivities, DeliveryActivities):
             reason=request.reason,
         )
         return CancelOutput(result=result)
+
+    @activity.defn
+    async def record_cancellations(self, batch: CancelBatch) -> CancelBatchOutput:
+        """Requests that waited together, each recorded as `record_cancellation` records one, in order. A retry
+        after a failure part way records nothing twice: the requests recorded before it answer with their outcome
+        (one record per request ID)."""
+        results = []
+        for request in batch.requests:
+            results.append((await self.record_cancellation(request)).result)
+        return CancelBatchOutput(results=results)
 
     async def _temporal_cancel_operator(self) -> str:
         """Who cancelled the workflow, as Temporal recorded it in the cancel request's history event."""

@@ -48,7 +48,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from activities.error_types import EXPORT_NOT_CREATED, EXPORT_NOT_FOUND, INVALID_EXPORT_INPUT
     from activities.exports import ExportActivities
-    from store.models import AuthorizationResult, ClaimResult, JobRow, Status
+    from store.models import AuthorizationResult, CancellationResult, ClaimResult, JobRow, Status
     from workflows import patches
     from workflows.identity import admission_queue, export_workflow_id, tenant_priority
 
@@ -68,6 +68,7 @@ class ExportWorkflow:
         self._state = RunState()
         self._display = Display(self._state)
         self._cancellations = Cancellations(self._state, self._display)
+        self._job_id = uuid.UUID(int=0)  # set from the input as the run starts
 
     # --- messages -----------------------------------------------------------------------------------------------
 
@@ -84,6 +85,16 @@ class ExportWorkflow:
         validate is rejected visibly (log and the `rejected_signals` query), and records nothing."""
         self._cancellations.accept(payload)
 
+    @workflow.update(name="cancel")
+    async def cancel_update(self, payload: Any) -> CancellationResult:
+        """A cancellation request, answered with its recorded outcome: the path a flood of signals cannot close
+        (workflows/export_cancel.py). Same payload as the signal; a malformed one is refused to its sender."""
+        return await self._cancellations.answer_update(payload)
+
+    @cancel_update.validator
+    def _validate_cancel_update(self, payload: Any) -> None:
+        self._cancellations.validate_update(payload)
+
     @workflow.query
     def row(self) -> JobRow | None:
         """The export's row as this workflow last read it."""
@@ -99,6 +110,9 @@ class ExportWorkflow:
     async def run(self, payload: Any = None) -> ExportResult:
         # Typed loosely and validated here, as the cancel signal is: a start that does not decode would otherwise
         # fail the workflow task again and again, and never end.
+        # The cancel Update is accepted only by runs that recorded its patch (workflows/patches.py): a release
+        # that does not know it could not replay an accepted one.
+        self._cancellations.updates_on = workflow.patched(patches.CANCEL_UPDATE)
         request = _validated_start(payload)
         # Temporal's cancel must not cancel an attempt's steps (least of all a delivery): it becomes a stop
         # request, decided under the row lock like any other, and the run goes on to the row's final state.
@@ -116,11 +130,12 @@ class ExportWorkflow:
         if request.create is not None:
             await self._create(request)
         canceller = asyncio.create_task(self._cancellations.serve())
-        job_id = request.job_id
+        job_id = self._job_id = request.job_id
         while True:
             row = await self._until_settled(job_id)
             # Requests that arrived meanwhile are still recorded, one record per request ID.
-            await workflow.wait_condition(lambda: self._cancellations.idle)
+            # (and every Update handler has answered: always true where the run accepted none).
+            await workflow.wait_condition(lambda: self._cancellations.idle and workflow.all_handlers_finished())
             # A wake-up after the last read (a reconciliation or a correction, made while this run was still
             # recording cancellations) would otherwise be lost with this run: read the row again.
             if not (self._state.woken and workflow.patched(patches.WAKE_AFTER_SETTLED)):
@@ -346,10 +361,23 @@ class ExportWorkflow:
                                    non_retryable=True) from None
 
     async def _wait_for_wake(self) -> None:
+        """Between attempts, until a wake-up or the idle recheck. A run that accepts the cancel Update also ends
+        here, continuing as new, once Temporal suggests it (history long) and no request or handler is in flight:
+        nothing of an attempt is open at this point, and the row holds all the next run needs. A fresh run also
+        takes signals again after a flood filled this one's quota."""
         try:
-            await workflow.wait_condition(lambda: self._state.woken, timeout=self._state.idle_recheck)
+            await workflow.wait_condition(lambda: self._state.woken or self._may_continue_as_new(),
+                                          timeout=self._state.idle_recheck)
         except builtins.TimeoutError:
             pass
+        if self._may_continue_as_new():
+            workflow.logger.info("export %s continues as new after %d events", self._job_id,
+                                 workflow.info().get_current_history_length())
+            workflow.continue_as_new(ExportInput(job_id=self._job_id))
+
+    def _may_continue_as_new(self) -> bool:
+        return (self._cancellations.updates_on and workflow.info().is_continue_as_new_suggested()
+                and self._cancellations.idle and workflow.all_handlers_finished())
 
     def _observe(self, row: JobRow | None, *, show: bool = True) -> JobRow:
         if row is None:

@@ -1,8 +1,13 @@
-"""How an export's run serves cancellation requests: the `cancel` signal's payloads and Temporal's own cancel of the
-run, recorded one at a time, in arrival order, by `record_cancellation` (under the row lock, one record per request
-ID). A payload that does not validate is refused visibly and records nothing; a request that cannot be recorded never
-blocks the next one; a Busy answer (the row locked past lock_timeout) is asked again a few times. A recorded stop
-cancels the build in flight; any answer wakes the run to read its row.
+"""How an export's run serves cancellation requests: the `cancel` signal's payloads, the `cancel` Update's, and
+Temporal's own cancel of the run, recorded in arrival order by `record_cancellation` (under the row lock, one
+record per request ID), or by `record_cancellations`, several together, in runs that accept the Update. A payload
+that does not validate is refused visibly and records nothing; a request that cannot be recorded never blocks the
+next one; a Busy answer (the row locked past lock_timeout) is asked again a few times. A recorded stop cancels the
+build in flight; any answer wakes the run to read its row.
+
+The Update is the path a flood cannot close: the server refuses every signal to a run past its cap
+(history.maximumSignalsPerExecution), while an Update is validated before it enters the history, so a malformed
+one is refused to its sender and costs the run nothing. A valid one is answered with the outcome recorded.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ActivityError, ApplicationError
 
 from workflows.export_display import Display
 from workflows.export_state import SHORT_STEP, RunState, cause
@@ -21,9 +26,15 @@ from workflows.export_state import SHORT_STEP, RunState, cause
 with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
-    from activities.contracts import TEMPORAL_CANCEL_OPERATOR, CancelOutput, CancelRequest
+    from activities.contracts import (
+        TEMPORAL_CANCEL_OPERATOR,
+        CancelBatch,
+        CancelBatchOutput,
+        CancelOutput,
+        CancelRequest,
+    )
     from activities.exports import ExportActivities
-    from store.models import CancellationOutcome
+    from store.models import CancellationOutcome, CancellationResult
     from workflows import patches
 
 _STOP_OUTCOMES = (CancellationOutcome.STOP_REQUESTED, CancellationOutcome.STOP_ALREADY_REQUESTED)
@@ -32,6 +43,13 @@ _BUSY_RETRIES = 5
 _BUSY_RETRY_INTERVAL = timedelta(seconds=2)
 # Temporal's cancel of a run becomes one stop request, the same one however often the cancel is repeated.
 _TEMPORAL_CANCEL = uuid.UUID("5d0c7f3e-5e1b-4c52-9a4b-7d2f3c1e0a11")
+# At most this many Update requests wait to be recorded; past it an Update is refused (send it again), so that a
+# flood of valid requests cannot grow the run's memory or history without bound.
+_MOST_WAITING = 100
+# Answers kept for Updates that ask again with the same request ID (oldest forgotten first).
+_ANSWERS_KEPT = 1000
+# Requests recorded together by one step, at most (a run that accepts the Update records what waited together).
+_BATCH = 100
 
 
 class Cancellations:
@@ -42,6 +60,10 @@ class Cancellations:
         self._recording = False
         self._waiting_to_ask_again = 0
         self._busy: dict[uuid.UUID, int] = {}  # request ID -> how often its row was found locked
+        # Whether this run accepts the `cancel` Update: decided once, at the run's start, by its patch.
+        self.updates_on = False
+        self._answers: dict[uuid.UUID, CancellationResult | str] = {}  # request ID -> outcome, or why none
+        self._updates_waiting = 0
 
     @property
     def idle(self) -> bool:
@@ -54,11 +76,43 @@ class Cancellations:
         try:
             request = CancelRequest.model_validate(payload)
         except ValidationError as exc:
-            problem = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'payload'}: {e['msg']}" for e in exc.errors())
+            problem = _problem(exc)
             self._display.reject(f"cancel rejected, nothing recorded: {problem}")
             workflow.logger.warning("cancel signal rejected, nothing recorded: %s", problem)
             return
         self._pending.append(request)
+
+    def validate_update(self, payload: Any) -> None:
+        """The `cancel` Update's validator: a refusal here reaches the sender and never the run's history."""
+        if not self.updates_on:
+            raise ApplicationError("this run takes cancellation requests by the `cancel` signal or `exports cancel`; "
+                                   "send the cancel signal: nothing recorded", type="CancelUpdateNotAccepted",
+                                   non_retryable=True)
+        request = _parse_update(payload)
+        if request.request_id not in self._answers and self._updates_waiting >= _MOST_WAITING:
+            raise ApplicationError(f"{_MOST_WAITING} cancellation requests are waiting to be recorded; send it again "
+                                   "shortly: nothing recorded", type="CancelRequestsWaiting", non_retryable=True)
+
+    async def answer_update(self, payload: Any) -> CancellationResult:
+        """The `cancel` Update: the request recorded (or its earlier answer, asked again), and its outcome."""
+        request = _parse_update(payload)
+        if request.request_id not in self._answers:
+            self._updates_waiting += 1
+            try:
+                self._pending.append(request)
+                await workflow.wait_condition(lambda: request.request_id in self._answers)
+            finally:
+                self._updates_waiting -= 1
+        answer = self._answers[request.request_id]
+        if isinstance(answer, str):
+            raise ApplicationError(answer, type="CancelNotRecorded", non_retryable=True)
+        return answer
+
+    def _remember(self, request_id: uuid.UUID, answer: CancellationResult | str) -> None:
+        self._answers.pop(request_id, None)
+        self._answers[request_id] = answer
+        while len(self._answers) > _ANSWERS_KEPT:
+            del self._answers[next(iter(self._answers))]
 
     def stop_for_temporal_cancel(self) -> None:
         """Temporal's cancel of the run, once the row (and so the tenant) is known, as a stop request of its own."""
@@ -75,38 +129,68 @@ class Cancellations:
         ))
 
     async def serve(self) -> None:
-        """Records the requests as they come, for the life of the run."""
+        """Records the requests as they come, for the life of the run: one at a time, or, in a run that accepts the
+        cancel Update, all that waited together (up to a batch) by one step."""
         while True:
             await workflow.wait_condition(lambda: bool(self._pending))
-            request = self._pending.pop(0)
+            if self.updates_on:
+                batch, self._pending = self._pending[:_BATCH], self._pending[_BATCH:]
+            else:
+                batch = [self._pending.pop(0)]
             self._recording = True
             try:
-                recorded: CancelOutput = await workflow.execute_activity_method(
-                    ExportActivities.record_cancellation,
-                    request,
-                    summary=f"cancellation request by {request.requested_by}",
-                    **SHORT_STEP,
-                )
-            except ActivityError as err:
-                # One request that cannot be recorded never blocks the next one.
-                problem = f"cancel {request.request_id} not recorded: {cause(err)}"
-                self._display.reject(problem)
-                workflow.logger.warning("%s", problem)
-                continue
+                results = await (self._record_together(batch) if self.updates_on else self._record_alone(batch[0]))
             finally:
                 self._recording = False
-            outcome = recorded.result.outcome
-            workflow.logger.info("cancellation request %s: %s", request.request_id, outcome)
-            reason = f": \"{request.reason}\"" if request.reason else ""
-            self._display.ask(f"cancel by {request.requested_by}{reason} → {outcome.value}")
-            if outcome is CancellationOutcome.BUSY and workflow.patched(patches.BUSY_CANCEL_RETRY):
-                if self._ask_again_later(request):
-                    continue
-            if outcome in _STOP_OUTCOMES:
-                self._state.stop_seen = True
-                if self._state.build is not None:
-                    self._state.build.cancel()
-            self._state.woken = True
+            for request, result in zip(batch, results, strict=True):
+                if result is not None:
+                    self._settle(request, result)
+
+    async def _record_alone(self, request: CancelRequest) -> list[CancellationResult | None]:
+        try:
+            recorded: CancelOutput = await workflow.execute_activity_method(
+                ExportActivities.record_cancellation,
+                request,
+                summary=f"cancellation request by {request.requested_by}",
+                **SHORT_STEP,
+            )
+        except ActivityError as err:
+            # One request that cannot be recorded never blocks the next one.
+            problem = f"cancel {request.request_id} not recorded: {cause(err)}"
+            self._remember(request.request_id, problem)
+            self._display.reject(problem)
+            workflow.logger.warning("%s", problem)
+            return [None]
+        return [recorded.result]
+
+    async def _record_together(self, batch: list[CancelRequest]) -> list[CancellationResult | None]:
+        try:
+            recorded: CancelBatchOutput = await workflow.execute_activity_method(
+                ExportActivities.record_cancellations,
+                CancelBatch(requests=batch),
+                summary=f"{len(batch)} cancellation request(s), the first by {batch[0].requested_by}",
+                **SHORT_STEP,
+            )
+        except ActivityError:
+            # One request that cannot be recorded never blocks the others: each is asked alone.
+            return [(await self._record_alone(request))[0] for request in batch]
+        return list(recorded.results)
+
+    def _settle(self, request: CancelRequest, result: CancellationResult) -> None:
+        """What a recorded request's outcome means for the run."""
+        outcome = result.outcome
+        workflow.logger.info("cancellation request %s: %s", request.request_id, outcome)
+        reason = f": \"{request.reason}\"" if request.reason else ""
+        self._display.ask(f"cancel by {request.requested_by}{reason} → {outcome.value}")
+        if outcome is CancellationOutcome.BUSY and workflow.patched(patches.BUSY_CANCEL_RETRY):
+            if self._ask_again_later(request):
+                return
+        self._remember(request.request_id, result)
+        if outcome in _STOP_OUTCOMES:
+            self._state.stop_seen = True
+            if self._state.build is not None:
+                self._state.build.cancel()
+        self._state.woken = True
 
     def _ask_again_later(self, request: CancelRequest) -> bool:
         """A Busy answer recorded nothing: the same request ID is asked again (its answer, if an earlier try
@@ -127,3 +211,15 @@ class Cancellations:
             self._pending.append(request)
         finally:
             self._waiting_to_ask_again -= 1
+
+
+def _parse_update(payload: Any) -> CancelRequest:
+    try:
+        return CancelRequest.model_validate(payload)
+    except ValidationError as exc:
+        raise ApplicationError(f"cancel refused, nothing recorded: {_problem(exc)}", type="InvalidCancelRequest",
+                               non_retryable=True) from None
+
+
+def _problem(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'payload'}: {e['msg']}" for e in exc.errors())

@@ -30,11 +30,14 @@ POLICY_AND_CLAIM = "policy-and-claim"
 BUSY_CANCEL_RETRY = "busy-cancel-retry"
 # Recovery runs started before recovery drained its backlog in rounds replay the single batch they recorded.
 RECOVERY_ROUNDS = "recovery-rounds"
+# Export runs that recorded this accept the `cancel` Update (0.3.0 ships it understood; a release that does not
+# know the Update could not replay a run that accepted one).
+CANCEL_UPDATE = "cancel-update"
 
 # Written on new runs by this release.
 ACTIVE = frozenset({ROW_FROM_DELIVERY, WAKE_AFTER_SETTLED, POLICY_AND_CLAIM, BUSY_CANCEL_RETRY, RECOVERY_ROUNDS})
 # Replayed where a history recorded them, never written: the next release activates them.
-UNDERSTOOD: frozenset[str] = frozenset()
+UNDERSTOOD: frozenset[str] = frozenset({CANCEL_UPDATE})
 
 
 def activates(request: PatchActivationInput) -> bool:

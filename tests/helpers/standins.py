@@ -23,6 +23,7 @@ from activities.contracts import (
 )
 from store.models import CancellationOutcome, CancellationResult, FailureCode, JobRow, Status
 from tests.helpers.support import eventually
+from workflows import patches
 from workflows.export import ExportWorkflow
 from workflows.identity import admission_queue, export_workflow_id
 
@@ -59,7 +60,8 @@ async def woken_while_recording_a_cancel(client: Client) -> tuple[WorkflowHandle
                                                       found_status=states["status"]))
 
     queue = f"late-wake-{uuid.uuid4().hex[:8]}"
-    async with Worker(client, task_queue=queue, workflows=[ExportWorkflow], activities=[record_cancellation]), \
+    async with Worker(client, task_queue=queue, workflows=[ExportWorkflow], activities=[record_cancellation],
+                      patch_activation_callback=patches.activates), \
             Worker(client, task_queue=admission_queue(queue), activities=[claim_if_allowed]):
         handle = await client.start_workflow(ExportWorkflow.run, ExportInput(job_id=job_id),
                                              id=export_workflow_id(job_id), task_queue=queue,

@@ -36,3 +36,14 @@ def load(path: Path) -> WorkflowHistory:
 
 def workflow_type(history: WorkflowHistory) -> str:
     return history.events[0].workflow_execution_started_event_attributes.workflow_type.name
+
+
+def patch_ids(history: WorkflowHistory) -> set[str]:
+    """The patches whose markers the run recorded (the SDK's `core_patch` markers carry {"id": ...})."""
+    found = set()
+    for event in history.events:
+        if event.HasField("marker_recorded_event_attributes") and \
+                event.marker_recorded_event_attributes.marker_name == "core_patch":
+            for payload in event.marker_recorded_event_attributes.details["patch-data"].payloads:
+                found.add(json.loads(payload.data)["id"])
+    return found

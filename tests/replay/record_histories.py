@@ -14,7 +14,7 @@ import uuid
 from contextlib import AsyncExitStack
 
 import pytest
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
 from activities.contracts import (
@@ -26,7 +26,7 @@ from activities.contracts import (
     SweepInput,
 )
 from store.db import asyncpg_dsn
-from store.models import CancellationOutcome, Status
+from store.models import CancellationOutcome, CancellationResult, Status
 from tests.helpers.crash import (
     crash_world,
     processes,
@@ -50,6 +50,7 @@ from tests.helpers.standins import woken_while_recording_a_cancel
 from tests.helpers.support import eventually, lock_row, unlock_row
 from tests.replay.history_files import save
 from worker import running_worker
+from workflows import patches
 from workflows.identity import export_workflow_id
 
 VERSION = current_version()
@@ -85,6 +86,25 @@ async def test_export_stopped_by_cancel(slow_build_harness: Harness):
     assert result.outcome is CancellationOutcome.STOP_REQUESTED
     assert (await h.settled(job_id)).status is Status.STOPPED
     await record_export(h, job_id, "export_stopped_by_cancel")
+
+
+async def test_export_stopped_by_cancel_update(slow_build_harness: Harness, monkeypatch):
+    """The cancel-update branch, as the release that activates it writes it: a malformed Update refused (no
+    trace), a valid one accepted and answered, the same request asked again and answered from the run."""
+    monkeypatch.setattr(patches, "ACTIVE", patches.ACTIVE | {patches.CANCEL_UPDATE})
+    h = slow_build_harness
+    job_id = await h.create()
+    await building(h, job_id)
+    handle = h.client.get_workflow_handle(export_workflow_id(job_id))
+    with pytest.raises(WorkflowUpdateFailedError):
+        await handle.execute_update("cancel", {"request_id": "junk"})
+    request = {"request_id": str(uuid.uuid4()), "tenant": str(h.tenant_id), "operator": "ann@example.com",
+               "reason": "wrong list"}
+    answer = await handle.execute_update("cancel", request, result_type=CancellationResult)
+    assert answer.outcome is CancellationOutcome.STOP_REQUESTED
+    assert await handle.execute_update("cancel", request, result_type=CancellationResult) == answer
+    assert (await h.settled(job_id)).status is Status.STOPPED
+    await record_export(h, job_id, "export_stopped_by_cancel_update")
 
 
 async def test_export_stopped_by_temporal_cancel(slow_build_harness: Harness):

@@ -38,7 +38,8 @@ from tests.helpers.releases import (
     rollback_removes_schedules,
 )
 from tests.helpers.support import eventually, lock_row, unlock_row
-from tests.replay.history_files import HISTORIES, load, workflow_type
+from tests.replay.history_files import HISTORIES, load, patch_ids, workflow_type
+from workflows import patches
 
 BOUND = 120.0
 OPEN_EXPORT_RUNS = "WorkflowType = 'ExportWorkflow' AND ExecutionStatus = 'Running'"
@@ -141,6 +142,11 @@ async def test_rollback__the_previous_release_replays_the_runs_this_one_recorded
         refused = await previous.replay(new_types)
         assert len(refused) == len(new_types) and all("not registered" in f for f in refused), refused
         recorded = [path for path in recorded if path not in new_types]
+    # A case recorded with a patch this release only understands is the next release's run (recorded with the patch
+    # activated, as that release writes it): this release never writes its marker (tests/replay/test_patches.py),
+    # so a rollback from this release never meets it.
+    ahead = [path for path in recorded if patch_ids(load(path)) & patches.UNDERSTOOD]
+    recorded = [path for path in recorded if path not in ahead]
     failures = await previous.replay(recorded)
     if rollback_declared_unsupported(previous.release):
         assert failures, f"CHANGELOG.md says a rollback to {previous.release.version} needs a drain, yet its " \

@@ -53,6 +53,7 @@ from tests.helpers.partner import assert_partner_holds, outbound_names, temp_nam
 from tests.helpers.standins import woken_while_recording_a_cancel
 from tests.helpers.store_states import drive
 from tests.helpers.support import eventually
+from workflows import patches
 from workflows.export import ExportWorkflow
 from workflows.identity import admission_queue, export_workflow_id
 
@@ -480,7 +481,7 @@ async def test_a_wake_up_during_the_delivery_is_read_before_the_run_ends_with_th
         return DeliverOutput(outcome=Status.OUTCOME_UNKNOWN, summary="unknown", written=True, row=returned)
 
     async with Worker(client, task_queue=queue, workflows=[ExportWorkflow],
-                      activities=[build, authorize_delivery, deliver]), \
+                      activities=[build, authorize_delivery, deliver], patch_activation_callback=patches.activates), \
             Worker(client, task_queue=admission_queue(queue), activities=[claim_if_allowed]):
         handle = await client.start_workflow(ExportWorkflow.run, ExportInput(job_id=job_id),
                                              id=export_workflow_id(job_id),

@@ -1,0 +1,193 @@
+"""The cancel path no flood can close (LD7): a `cancel` Update beside the `cancel` signal. The server takes a bounded
+number of signals per run (history.maximumSignalsPerExecution, 10,000 by default) and refuses every signal after
+that, valid or not; an Update is validated by the workflow before it enters the history, so a malformed one is
+refused to its sender and costs the run nothing, and a valid one is answered with the outcome recorded.
+
+The Update ships as a patch this release understands and the next activates (workflows/patches.py): here the
+worker activates it as the next release will, and the last test shows what this release's defaults answer."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from contextlib import AsyncExitStack
+
+import pytest
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.service import RPCError
+
+from activities.contracts import ExportInput, ExportResult
+from starter.localstack.ports import free_port
+from starter.localstack.temporal import LocalTemporal
+from store.models import CancellationResult, Status
+from tests.helpers.harness import Harness, open_harness
+from tests.helpers.store_states import drive
+from tests.helpers.support import eventually
+from workflows import patches
+from workflows.identity import export_workflow_id
+
+BOUND = 60.0
+# The server's cap on signals per run, lowered so that the test reaches it in seconds rather than minutes.
+SIGNAL_CAP = 40
+
+
+async def _waiting_run(h: Harness):
+    """An export held Running by an attempt of the test's: its run only waits, and serves cancellations."""
+    job_id = uuid.uuid4()
+    await h.store.create_job(job_id=job_id, tenant_id=h.tenant_id, destination_id=h.destination_id,
+                             delivery_key=f"k{job_id.hex[:12]}", created_by="tests")
+    await drive(h.store, job_id, Status.RUNNING)
+    handle = await h.client.start_workflow("ExportWorkflow", ExportInput(job_id=job_id), id=export_workflow_id(job_id),
+                                           task_queue=h.settings.task_queue, result_type=ExportResult)
+    return job_id, handle
+
+
+def _request(h: Harness, request_id: uuid.UUID | None = None) -> dict[str, str]:
+    return {"request_id": str(request_id or uuid.uuid4()), "tenant": str(h.tenant_id),
+            "operator": "ann@example.com", "reason": "wrong list"}
+
+
+async def _events(handle, kind: EventType.ValueType) -> int:
+    return sum(1 for e in (await handle.fetch_history()).events if e.event_type == kind)
+
+
+@pytest.mark.spec("LD7")
+async def test_past_the_servers_signal_cap_an_operator_still_cancels_by_update_and_junk_updates_cost_nothing(
+        db, store, tmp_path, monkeypatch):
+    monkeypatch.setattr(patches, "ACTIVE", patches.ACTIVE | {patches.CANCEL_UPDATE})  # as the next release does
+    temporal = LocalTemporal(tmp_path / "temporal", ui_port=free_port(),
+                             dynamic_config={"history.maximumSignalsPerExecution": SIGNAL_CAP})
+    await temporal.start()
+    try:
+        client = await Client.connect(temporal.address, data_converter=pydantic_data_converter)
+        async with AsyncExitStack() as stack:
+            h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False)
+            job_id, handle = await _waiting_run(h)
+            try:
+                # The flood: malformed cancels until the server refuses signals to this run.
+                refused = None
+                for n in range(2 * SIGNAL_CAP):
+                    try:
+                        await handle.signal("cancel", {"request_id": f"junk {n}"})
+                    except RPCError as err:
+                        refused = err
+                        break
+                assert refused is not None and "signal" in str(refused).lower(), refused
+                with pytest.raises(RPCError):  # the signal path is closed to a valid cancel too
+                    await handle.signal("cancel", _request(h))
+
+                # Junk sent as an Update is refused to its sender, saying what is wrong, and enters no history.
+                before = len((await handle.fetch_history()).events)
+                for junk in ({"request_id": "junk"}, "not even an object", {**_request(h), "tenant": "x"}):
+                    with pytest.raises(WorkflowUpdateFailedError) as refused_update:
+                        await handle.execute_update("cancel", junk, result_type=CancellationResult)
+                    assert "nothing recorded" in str(refused_update.value.cause), refused_update.value.cause
+                assert len((await handle.fetch_history()).events) == before
+
+                # A valid Update records the request and answers with its outcome; asked again, the same answer,
+                # without recording it again.
+                request_id = uuid.uuid4()
+                answer = await asyncio.wait_for(
+                    handle.execute_update("cancel", _request(h, request_id), result_type=CancellationResult),
+                    timeout=BOUND)
+                assert answer.request_id == request_id and answer.outcome.value == "StopRequested", answer
+                recorded = await h.db.admin.fetch("SELECT id, outcome FROM cancellation_requests WHERE job_id = $1",
+                                                  job_id)
+                assert [(r["id"], r["outcome"]) for r in recorded] == [(request_id, "StopRequested")]
+                scheduled = await _events(handle, EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED)
+                again = await asyncio.wait_for(
+                    handle.execute_update("cancel", _request(h, request_id), result_type=CancellationResult),
+                    timeout=BOUND)
+                assert again == answer
+                assert await _events(handle, EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED) == scheduled
+                row = await eventually(lambda: h.store.read_job(job_id), lambda r: r.stop_request_id is not None,
+                                       timeout=BOUND, interval=0.2, what="the stop on the row")
+                assert row.stop_request_id == request_id, row
+            finally:
+                await handle.terminate("test over")
+    finally:
+        await temporal.stop()
+
+
+@pytest.mark.spec("LD7")
+async def test_this_release_refuses_cancel_updates_until_the_next_activates_them_and_writes_no_marker(
+        db, store, client, tmp_path):
+    async with AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False)
+        job_id, handle = await _waiting_run(h)
+        try:
+            with pytest.raises(WorkflowUpdateFailedError) as refused:
+                await handle.execute_update("cancel", _request(h), result_type=CancellationResult)
+            assert "send the cancel signal" in str(refused.value.cause), refused.value.cause
+            await handle.signal("cancel", _request(h))  # the signal path is the one this release opens
+            await eventually(lambda: h.db.admin.fetchval(
+                "SELECT count(*) FROM cancellation_requests WHERE job_id = $1", job_id), lambda n: n == 1,
+                timeout=BOUND, interval=0.2, what="the signalled cancel recorded")
+            history = await handle.fetch_history()
+            kinds = {e.event_type for e in history.events}
+            markers = [e.marker_recorded_event_attributes.SerializeToString() for e in history.events
+                       if e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED]
+            assert markers and not any(patches.CANCEL_UPDATE.encode() in m for m in markers)
+            assert EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED not in kinds
+        finally:
+            await handle.terminate("test over")
+
+
+@pytest.mark.spec("LD7")
+async def test_many_valid_cancels_are_recorded_together_not_one_step_each(db, store, client, tmp_path, monkeypatch):
+    monkeypatch.setattr(patches, "ACTIVE", patches.ACTIVE | {patches.CANCEL_UPDATE})
+    requests = 150
+    async with AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False)
+        job_id, handle = await _waiting_run(h)
+        try:
+            await asyncio.gather(*(handle.signal("cancel", _request(h)) for _ in range(requests)))
+            await eventually(lambda: h.db.admin.fetchval(
+                "SELECT count(*) FROM cancellation_requests WHERE job_id = $1", job_id), lambda n: n == requests,
+                timeout=BOUND, interval=0.2, what="every request recorded")
+            history = await handle.fetch_history()
+            steps = [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
+                     if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
+            recorded_by = [name for name in steps if name.startswith("record_cancellation")]
+            assert recorded_by and set(recorded_by) == {"record_cancellations"}, steps
+            assert len(recorded_by) <= requests // 10, f"{len(recorded_by)} steps for {requests} requests"
+        finally:
+            await handle.terminate("test over")
+
+
+@pytest.mark.spec("LD7")
+async def test_a_waiting_run_flooded_with_signals_continues_as_new_and_never_reaches_the_servers_cap(
+        db, store, tmp_path, monkeypatch):
+    """Past the history length at which Temporal suggests it, a run between attempts continues as new: its
+    history stays bounded, and a fresh run takes signals again, so the flood never closes the signal path."""
+    monkeypatch.setattr(patches, "ACTIVE", patches.ACTIVE | {patches.CANCEL_UPDATE})
+    temporal = LocalTemporal(tmp_path / "temporal", ui_port=free_port(), dynamic_config={
+        "history.maximumSignalsPerExecution": SIGNAL_CAP, "limit.historyCount.suggestContinueAsNew": 60})
+    await temporal.start()
+    try:
+        client = await Client.connect(temporal.address, data_converter=pydantic_data_converter)
+        async with AsyncExitStack() as stack:
+            h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False)
+            job_id, handle = await _waiting_run(h)
+            latest = client.get_workflow_handle(export_workflow_id(job_id))
+            try:
+                for n in range(4 * SIGNAL_CAP):  # would be refused from the cap on, were it one run
+                    await latest.signal("cancel", {"request_id": f"junk {n}"})
+                first = await client.get_workflow_handle(handle.id, run_id=handle.result_run_id).describe()
+                assert first.status.name == "CONTINUED_AS_NEW", first.status
+                runs = [w async for w in client.list_workflows(f"WorkflowId = '{export_workflow_id(job_id)}'")]
+                assert len(runs) >= 3, [r.status for r in runs]
+                longest = max([len((await client.get_workflow_handle(r.id, run_id=r.run_id).fetch_history()).events)
+                               for r in runs])
+                assert longest < 4 * 60, longest
+                request_id = uuid.uuid4()
+                await latest.signal("cancel", _request(h, request_id))
+                row = await eventually(lambda: h.store.read_job(job_id), lambda r: r.stop_request_id is not None,
+                                       timeout=BOUND, interval=0.2, what="the stop on the row")
+                assert row.stop_request_id == request_id, row
+            finally:
+                await latest.terminate("test over")
+    finally:
+        await temporal.stop()
