@@ -124,7 +124,7 @@ async def running_worker(
         # its next task: part of how soon a killed worker's build resumes elsewhere (LV6).
         sticky_queue_schedule_to_start_timeout=timedelta(seconds=settings.sticky_queue_timeout_seconds),
         # A patch this release only understands is replayed where recorded, never written (workflows/patches.py).
-        patch_activation_callback=patches.activates,
+        patch_activation_callback=patches.activation(settings.early_patch_ids),
         activities=activities.all() + recovery.all(),
         **common,
     )
@@ -173,6 +173,9 @@ async def running_worker(
                 name="scavenger")
             log.info("worker %s polling %s, %s and %s (%d builds, %d uploads at once)", worker_id, settings.task_queue,
                      own_queue, admission_queue(settings.task_queue), settings.max_builds, settings.max_uploads)
+            if settings.early_patch_ids:
+                log.warning("worker %s activates %s early (EXPORTS_EARLY_PATCHES): a rollback to the previous release "
+                            "must first drain the runs that record it", worker_id, settings.early_patches)
             try:
                 yield activities
             finally:

@@ -57,6 +57,11 @@ class Settings(BaseSettings):
     # `default_destination_share`.
     max_per_destination: int | None = Field(None, ge=1, le=1000)
 
+    # Patches this release only understands, activated on this worker's new runs all the same (workflows/patches.py;
+    # comma-separated names, e.g. `cancel-update`). The previous release cannot replay a run that recorded one: a
+    # rollback then drains those runs first (CHANGELOG.md). Unset: none, the safe default.
+    early_patches: str = ""
+
     lease_seconds: float = Field(60.0, gt=0)
     renew_every_seconds: float = Field(20.0, gt=0)
     max_attempts: int = Field(3, ge=1)
@@ -164,6 +169,17 @@ class Settings(BaseSettings):
             raise ValueError("'admission' is the name of the claims' queue, not a worker's")
         return value
 
+    @field_validator("early_patches")
+    @classmethod
+    def _patches_understood(cls, value: str) -> str:
+        from workflows.patches import UNDERSTOOD  # the list of what this release can activate early
+
+        names = {name.strip() for name in value.split(",") if name.strip()}
+        if unknown := sorted(names - UNDERSTOOD):
+            can = ", ".join(sorted(UNDERSTOOD)) or "none"
+            raise ValueError(f"{', '.join(unknown)}: not a patch this release can activate early (it can: {can})")
+        return ",".join(sorted(names))
+
     @field_validator("log_format")
     @classmethod
     def _known_log_format(cls, value: str) -> str:
@@ -184,6 +200,10 @@ class Settings(BaseSettings):
         if self.max_per_destination is not None:
             return self.max_per_destination
         return default_destination_share(self.max_builds, self.max_uploads)
+
+    @property
+    def early_patch_ids(self) -> frozenset[str]:
+        return frozenset(name for name in self.early_patches.split(",") if name)
 
     @property
     def heartbeat_seconds(self) -> float:

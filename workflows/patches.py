@@ -16,6 +16,8 @@ retired as docs/changing-workflows.md says: `workflow.deprecate_patch`, then rem
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from temporalio.worker import PatchActivationInput
 
 # Export runs started before the delivery returned its row replay the re-read they recorded.
@@ -44,3 +46,14 @@ def activates(request: PatchActivationInput) -> bool:
     """The worker's patch_activation_callback: whether a run that reaches `patched(ID)` live takes the new branch.
     A patch this release does not list is never activated."""
     return request.patch_id in ACTIVE
+
+
+def activation(early: frozenset[str] = frozenset()) -> Callable[[PatchActivationInput], bool]:
+    """`activates`, and also the patches of UNDERSTOOD an operator chose to activate early (EXPORTS_EARLY_PATCHES),
+    accepting that a rollback to the previous release drains the runs that recorded them first."""
+    chosen = early & UNDERSTOOD
+
+    def activates_early(request: PatchActivationInput) -> bool:
+        return activates(request) or request.patch_id in chosen
+
+    return activates_early
