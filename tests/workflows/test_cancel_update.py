@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import tempfile
 import uuid
@@ -28,6 +29,7 @@ from starter.localstack.ports import free_port
 from starter.localstack.temporal import LocalTemporal
 from store.models import CancellationResult, Status
 from store.settings import Settings
+from tests.helpers.crash import crash_world, processes, start_worker
 from tests.helpers.harness import Harness, open_harness
 from tests.helpers.store_states import drive
 from tests.helpers.support import EXPORTS, eventually
@@ -220,3 +222,48 @@ def test_early_patches_are_only_those_this_release_understands_and_a_wrong_name_
 
 def _asking(patch_id: str) -> PatchActivationInput:
     return PatchActivationInput(workflow_info=None, patch_id=patch_id)  # type: ignore[arg-type]
+
+
+@pytest.mark.spec("LD7")
+async def test_a_flood_that_piled_up_while_the_worker_was_paused_is_taken_in_one_task_and_the_next_cancel_records(
+        db, store, client, tmp_path):
+    """Signals sent while the only worker is stopped reach the run together, in one workflow task: thousands of
+    handlers in one activation must stay inside the SDK's deadlock bound (2 s without yielding), or the task fails
+    on every retry and the run never moves again. A real worker process; SIGSTOP is a real pause."""
+    flood = 3000
+    async with crash_world(db, store, client, tmp_path, lease_seconds=30, renew_every_seconds=5) as h, \
+            processes(h) as started:
+        worker = await start_worker(started, h)
+        job_id, handle = await _waiting_run(h)
+        try:
+            await eventually(lambda: handle.describe(), lambda d: d.raw_description.pending_workflow_task is None
+                             or not d.raw_description.pending_workflow_task.ListFields(), timeout=BOUND,
+                             interval=0.2, what="the run at rest")
+            worker.process.send_signal(signal.SIGSTOP)
+            try:
+                senders = asyncio.Semaphore(50)
+
+                async def send(n: int) -> None:
+                    async with senders:
+                        await handle.signal("cancel", {"request_id": f"junk {n}"})
+
+                await asyncio.wait_for(asyncio.gather(*(send(n) for n in range(flood))), timeout=BOUND)
+                request_id = uuid.uuid4()
+                await handle.signal("cancel", _request(h, request_id))
+            finally:
+                worker.process.send_signal(signal.SIGCONT)
+            row = await eventually(lambda: h.store.read_job(job_id), lambda r: r.stop_request_id is not None,
+                                   timeout=BOUND, interval=0.2, what="the cancel after the pile recorded")
+            assert row.stop_request_id == request_id, row
+            log = worker.log_path.read_text(errors="replace")
+            assert "TMPRL1101" not in log and "deadlock" not in log.lower(), "a workflow task took too long"
+            # The pile was real: most of the flood reached the run in one workflow task.
+            pile, largest = 0, 0
+            for event in (await handle.fetch_history()).events:
+                if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED:
+                    pile += 1
+                elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED:
+                    largest, pile = max(largest, pile), 0
+            assert largest >= flood // 2, largest
+        finally:
+            await handle.terminate("test over")
