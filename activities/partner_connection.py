@@ -13,6 +13,7 @@ import asyncssh
 from asyncssh.encryption import get_default_encryption_algs
 
 from activities.destination import DestinationConfig
+from activities.process.tracing import spanned
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ async def connect(
     pinned = _pinned_host_key(dest.host_key)
     logger.info("connecting to partner %s:%d as %s", dest.host, dest.port, dest.username)
     try:
-        conn = await asyncssh.connect(
+        conn = await spanned("sftp connect", **{"rpc.system": "sftp"})(asyncssh.connect)(
             dest.host,
             dest.port,
             username=dest.username,

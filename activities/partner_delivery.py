@@ -27,6 +27,7 @@ from activities.destination import DestinationConfig, Replacement
 from activities.outcomes import NOTHING_WRITTEN_YET, DeliveryResult, RemoteFile, Step, classify, describe
 from activities.partner_connection import connect, within
 from activities.partner_files import acknowledged_sha256, content_sha256, identify, list_file, require_final_dir
+from activities.process.tracing import spanned
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +165,7 @@ async def _baseline(
     return occupied, occupied is None
 
 
+@spanned("sftp rename", **{"rpc.system": "sftp"})
 async def _rename(sftp: asyncssh.SFTPClient, temp_path: str, final_path: str, overwrite: bool,
                   operation_timeout: float) -> None:
     """The one irreversible step: the temporary file takes the final name."""
@@ -177,6 +179,7 @@ async def _rename(sftp: asyncssh.SFTPClient, temp_path: str, final_path: str, ov
             await sftp.rename(temp_path, final_path)
 
 
+@spanned("sftp evidence read", **{"rpc.system": "sftp"})
 async def _evidence_by_content(sftp: asyncssh.SFTPClient, dest: DestinationConfig, final_path: str,
                                final_name: str, overwrite: bool,
                                operation_timeout: float) -> tuple[str | None, str | None, str | None]:
@@ -301,6 +304,7 @@ async def _record_quietly(
 PIPELINED_WRITES = 16
 
 
+@spanned("sftp upload", **{"rpc.system": "sftp"})
 async def _upload(
     sftp: asyncssh.SFTPClient,
     local_path: str,

@@ -71,7 +71,7 @@ async def heartbeats_sent(port: int) -> float:
     writer.close()
     text = raw.partition(b"\r\n\r\n")[2].decode()
     return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name in ("temporal_request", "temporal_request_total")
+               if sample.name == "temporal_request_total"
                and sample.labels.get("operation") == "RecordActivityTaskHeartbeat")
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any, Generic, TypeVar, overload
 
+from opentelemetry import trace
 from sqlalchemy import TextClause, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql import Executable
@@ -29,6 +30,16 @@ log = logging.getLogger(__name__)
 # A write's row count: an int where it is always known (a write asked without a re-read raises an uncertain answer),
 # int | None where a re-read may answer instead of it.
 Count = TypeVar("Count", bound=int | None)
+
+
+# The API alone: without a configured provider (EXPORTS_TRACING=off) its spans are no-ops that cost a call.
+_tracer = trace.get_tracer("store.statements")
+
+
+def sql_span(name: str) -> AbstractContextManager[trace.Span]:
+    """One span per named statement run, under the activity's span when tracing is on."""
+    return _tracer.start_as_current_span(f"sql {name}", kind=trace.SpanKind.CLIENT,
+                                         attributes={"db.system": "postgresql", "db.operation.name": name})
 
 
 @cache
@@ -145,25 +156,26 @@ class Database:
         the statement may or may not have committed) is not raised: the row is asked, bounded by
         reread_timeout_seconds so that no caller hangs with the database away, and the caller decides from the row.
         Without it, or for any definite error, the error is raised as its domain error."""
-        if conn is not None:
-            if reread is not None:
-                raise ValueError("a re-read asks the row on a connection of its own, not inside a transaction")
-            with translated():
-                return Written((await conn.execute(statement(name), params)).rowcount)
-        try:
-            with translated():
-                async with self.engine.connect() as own:
-                    own = await own.execution_options(isolation_level="AUTOCOMMIT")
-                    count = (await own.execute(statement(name), params)).rowcount
-        except Exception as exc:
-            if reread is None or not errors.is_uncertain(exc):
-                raise
-            log.warning("%s of export %s is uncertain, asking the row: %s", name, params.get("job_id"),
-                        errors.describe(exc))
-            return await self._reread(reread, None)
-        if count == 1 or reread is None or not reread.when_unchanged:
-            return Written(count)
-        return await self._reread(reread, count)
+        with sql_span(name):
+            if conn is not None:
+                if reread is not None:
+                    raise ValueError("a re-read asks the row on a connection of its own, not inside a transaction")
+                with translated():
+                    return Written((await conn.execute(statement(name), params)).rowcount)
+            try:
+                with translated():
+                    async with self.engine.connect() as own:
+                        own = await own.execution_options(isolation_level="AUTOCOMMIT")
+                        count = (await own.execute(statement(name), params)).rowcount
+            except Exception as exc:
+                if reread is None or not errors.is_uncertain(exc):
+                    raise
+                log.warning("%s of export %s is uncertain, asking the row: %s", name, params.get("job_id"),
+                            errors.describe(exc))
+                return await self._reread(reread, None)
+            if count == 1 or reread is None or not reread.when_unchanged:
+                return Written(count)
+            return await self._reread(reread, count)
 
     async def _reread(self, reread: Reread, count: int | None) -> Written[int | None]:
         try:
@@ -198,5 +210,6 @@ class RoleStore:
 
 async def fetch_one(conn: AsyncConnection, name: str, **params: Any) -> dict[str, Any] | None:
     """A named statement's first row on a connection of `Database.transaction` or `Database.connection`."""
-    row = (await conn.execute(statement(name), params)).mappings().first()
+    with sql_span(name):
+        row = (await conn.execute(statement(name), params)).mappings().first()
     return dict(row) if row is not None else None

@@ -48,6 +48,12 @@ def free_loopback_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+def sdk_prometheus(address: str) -> PrometheusConfig:
+    """Seconds and `_total` counters, as Temporal's own Grafana dashboards and Prometheus conventions expect (the
+    SDK's defaults are milliseconds and bare counter names)."""
+    return PrometheusConfig(bind_address=address, durations_as_seconds=True, counters_total_suffix=True)
+
+
 def install_sdk_runtime(settings: Settings) -> str | None:
     """The SDK's runtime with its Prometheus endpoint, as the default runtime; before any client connects, since a
     client keeps the runtime it was created with. Its address ("host:port"), or None when not served."""
@@ -59,7 +65,7 @@ def install_sdk_runtime(settings: Settings) -> str | None:
         address = f"{settings.sdk_metrics_bind_address}:{port or free_loopback_port(settings.sdk_metrics_bind_address)}"
         try:
             Runtime.set_default(Runtime(telemetry=TelemetryConfig(logging=logging_config,
-                                                                  metrics=PrometheusConfig(bind_address=address))))
+                                                                  metrics=sdk_prometheus(address))))
         except Exception as exc:  # noqa: BLE001 - the worker runs without the SDK's metrics rather than not at all
             log.warning("the Temporal SDK's metrics are not served (%s): %s: %s", address, type(exc).__name__, exc)
         else:

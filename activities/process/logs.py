@@ -2,7 +2,8 @@
 
 Every JSON line has time, level, logger and message, and, when the record comes from a workflow or an activity,
 workflow_id, run_id, workflow_type, activity_type, activity_id, attempt, and the export's job_id (taken from a
-workflow ID `export-<uuid>`). The SDK's workflow and activity loggers put those on the record (the extras
+workflow ID `export-<uuid>`), and trace_id and span_id when a span is current (tracing on). The
+SDK's workflow and activity loggers put those on the record (the extras
 `temporal_workflow` and `temporal_activity`); a record from any other logger while an activity runs (e.g.
 `store.jobs` under a claim) gets the activity's from its context.
 """
@@ -16,6 +17,7 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import IO, Any
 
+from opentelemetry import trace as otel_trace
 from temporalio import activity, workflow
 from temporalio.runtime import LogForwardingConfig, LoggingConfig, TelemetryFilter
 
@@ -47,6 +49,15 @@ def record_context(record: logging.LogRecord) -> dict[str, Any]:
     return {key: value for key, value in found.items() if value is not None}
 
 
+def trace_context() -> dict[str, str]:
+    """The current span's trace_id and span_id (hex, as trace back ends show them), so that a log line can be
+    found from its trace and back; nothing when no span is current or tracing is off."""
+    context = otel_trace.get_current_span().get_span_context()
+    if not context.is_valid:
+        return {}
+    return {"trace_id": format(context.trace_id, "032x"), "span_id": format(context.span_id, "016x")}
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per record, on one line whatever the message holds (newlines and every non-ASCII
     character are escaped, so no reader splits a record)."""
@@ -59,6 +70,7 @@ class JsonFormatter(logging.Formatter):
             "message": record.getMessage(),
         }
         entry.update(record_context(record))
+        entry.update(trace_context())
         if record.exc_info:
             entry["error"] = self.formatException(record.exc_info)
         elif record.exc_text:

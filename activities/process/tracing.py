@@ -15,15 +15,37 @@ same way after a replay.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from collections.abc import Awaitable, Callable
+from typing import ParamSpec, TypeVar
 
+from opentelemetry import trace as otel_trace
 from temporalio.client import Client
 
 from store.settings import Settings
 
 # The logger keeps the name it had before the module moved into process/: log filters and alerts match on it.
 log = logging.getLogger("activities.tracing")
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def spanned(name: str, **attributes: str) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
+    """An async function run inside a span of its own (a no-op span while tracing is off): for the steps of an
+    activity (SFTP connect, upload, rename, evidence read) that its RunActivity span alone would not show."""
+    tracer = otel_trace.get_tracer("activities")
+
+    def wrap(function: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+        @functools.wraps(function)
+        async def run(*args: P.args, **kwargs: P.kwargs) -> R:
+            with tracer.start_as_current_span(name, kind=otel_trace.SpanKind.CLIENT, attributes=attributes):
+                return await function(*args, **kwargs)
+        return run
+    return wrap
 
 
 def configure(settings: Settings) -> bool:

@@ -20,6 +20,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
 from pydantic import ValidationError
 from temporalio import activity, workflow
 from temporalio.testing import ActivityEnvironment
@@ -101,6 +102,21 @@ def test_a_workflow_record_is_flattened_and_a_job_id_comes_only_from_an_export_w
     assert job_id_of(f"export-{job_id}") == str(job_id)
     without = json.loads(JsonFormatter().format(logging.makeLogRecord({"msg": "worker polling"})))
     assert set(without) == {"time", "level", "logger", "message"}
+
+
+def test_a_line_logged_in_a_span_carries_its_trace_and_span_ids_and_none_outside_one(restored_logging):
+    stream = io.StringIO()
+    configure_logging(Settings(log_format="json"), stream)
+    # A provider of the test's own: the global one may be set once per process (test_tracing.py owns it).
+    tracer = TracerProvider().get_tracer("test")
+    with tracer.start_as_current_span("outer") as span:
+        logging.getLogger("store.jobs").warning("inside")
+    logging.getLogger("store.jobs").warning("outside")
+    inside, outside = (json.loads(line) for line in stream.getvalue().splitlines())
+    context = span.get_span_context()
+    assert inside["trace_id"] == f"{context.trace_id:032x}" and inside["span_id"] == f"{context.span_id:016x}"
+    assert len(inside["trace_id"]) == 32 and len(inside["span_id"]) == 16
+    assert "trace_id" not in outside and "span_id" not in outside, outside
 
 
 def test_a_message_with_line_breaks_and_a_traceback_stays_one_line():

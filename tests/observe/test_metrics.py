@@ -106,12 +106,20 @@ async def test_one_export_moves_the_domain_counters_and_the_sdk_metrics_are_serv
     assert value(after, "exports_build_seconds_count") == value(before, "exports_build_seconds_count") + 1
     assert value(after, "exports_delivery_seconds_count", outcome="Completed") == \
         value(before, "exports_delivery_seconds_count", outcome="Completed") + 1
-    assert value(after, "exports_outcome_unknown") == 0
+    assert value(after, "exports_jobs", status="OutcomeUnknown") == 0
+    # No duplicate of exports_jobs{status="OutcomeUnknown"}, no `_created` series.
+    assert not any(name == "exports_outcome_unknown" or name.endswith("_created") for name, _ in after)
     assert value(after, "exports_metrics_store_read_failures_total") == 0
     # The SDK's own, appended from its endpoint: the worker's polls and the workflow's completion.
     sdk = {name for name, _ in after if name.startswith("temporal_")}
     assert sdk, text[-2000:]
     assert any(name.startswith("temporal_workflow_completed") for name in sdk), sorted(sdk)
+    # The SDK's names as configured: counters end in `_total`, durations are in seconds.
+    assert "temporal_workflow_completed_total" in sdk and "temporal_request_total" in sdk, sorted(sdk)
+    assert "temporal_workflow_completed" not in sdk, sorted(sdk)
+    latency = [v for (n, labels), v in after.items() if n == "temporal_workflow_endtoend_latency_sum"]
+    count = [v for (n, labels), v in after.items() if n == "temporal_workflow_endtoend_latency_count"]
+    assert latency and count and sum(latency) / sum(count) < 60, (latency, count)  # seconds, not milliseconds
 
 
 async def test_readyz_is_503_until_temporal_answers_and_after_sigterm_while_the_worker_drains(
@@ -153,7 +161,6 @@ async def test_the_application_role_reads_the_store_gauges(quiet_harness):
     await metrics.read_store_gauges(asyncpg_dsn(h.settings.database_url))
     assert metrics.OUTBOX_BACKLOG._value.get() == 2
     assert metrics.OUTBOX_OLDEST._value.get() >= 0
-    assert metrics.OUTCOME_UNKNOWN._value.get() == 0
     by_state = {status.value: metrics.JOBS.labels(status=status.value)._value.get() for status in Status}
     assert by_state == {**dict.fromkeys(by_state, 0), "Queued": 1, "Canceled": 1}
 

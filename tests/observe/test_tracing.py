@@ -56,6 +56,19 @@ async def test_an_export_is_one_trace_across_the_workflow_and_its_activities(db,
     # The trace begins where the export was started: the outbox dispatcher's signal-with-start of the workflow.
     starts = [s for s in mine if s.name == "SignalWithStartWorkflow:ExportWorkflow"]
     assert starts and starts[0].parent is None and starts[0].context.trace_id == trace_id
+    # Each named PostgreSQL statement an activity ran is a span in the export's trace, under that activity's.
+    sql = [s for s in finished if s.name.startswith("sql ") and s.context.trace_id == trace_id]
+    assert sql, sorted({s.name for s in finished})
+    activity_span_ids = {s.context.span_id for s in activities}
+    assert all(s.attributes and s.attributes.get("db.system") == "postgresql" for s in sql)
+    assert any(s.parent is not None and s.parent.span_id in activity_span_ids for s in sql), \
+        [(s.name, s.parent) for s in sql]
+    # The delivery's SFTP steps, under its RunActivity:deliver.
+    deliver = {s.context.span_id for s in activities if s.name == "RunActivity:deliver"}
+    steps = {s.name for s in finished if s.name.startswith("sftp ") and s.parent is not None
+             and s.parent.span_id in deliver}
+    assert {"sftp connect", "sftp upload", "sftp rename", "sftp evidence read"} <= steps, \
+        sorted({s.name for s in finished})
 
 
 def test_tracing_is_off_unless_configured(db, client):
