@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench histories lock clean
+.PHONY: run test lint bench histories schemas lock clean
 
 # Every install is constrained by the lock file: the versions tested are the versions run (the image uses it too).
 $(STAMP): pyproject.toml requirements/lock.txt
@@ -31,6 +31,11 @@ bench: $(STAMP)
 histories: $(STAMP)
 	$(VENV)/bin/pytest tests/replay/record_histories.py
 	$(VENV)/bin/pytest -q tests/replay
+
+# After a change to a contract in starter/client_package/exports_client/contracts.py: its JSON Schemas again
+# (committed; tests/client fails while they drift).
+schemas: $(STAMP)
+	$(VENV)/bin/python -m exports_client.schemas
 
 # After a change to the dependencies in pyproject.toml: resolve them all again, runtime and extras, to exact versions.
 lock: $(STAMP)

@@ -5,11 +5,40 @@ Pure pydantic, because workflow code imports this module.
 
 from __future__ import annotations
 
-import unicodedata
-from typing import Annotated
 from uuid import UUID
 
-from pydantic import AfterValidator, AliasChoices, BaseModel, Field
+# The contracts a client sends and receives are the client package's; the worker imports them from there.
+from exports_client.contracts import (
+    MAX_NAME as MAX_NAME,
+)
+from exports_client.contracts import (
+    MAX_REASON as MAX_REASON,
+)
+from exports_client.contracts import (
+    CancelRequest as CancelRequest,
+)
+from exports_client.contracts import (
+    CreateExport as CreateExport,
+)
+from exports_client.contracts import (
+    ExportInput as ExportInput,
+)
+from exports_client.contracts import (
+    ExportResult as ExportResult,
+)
+from exports_client.contracts import (
+    Name as Name,
+)
+from exports_client.contracts import (
+    Reason as Reason,
+)
+from exports_client.contracts import (
+    Text as Text,
+)
+from exports_client.contracts import (
+    Wake as Wake,
+)
+from pydantic import BaseModel, Field
 
 from store.models import (
     AuthorizationResult,
@@ -21,77 +50,9 @@ from store.models import (
     Status,
 )
 
-# Keep in step with the text columns they end up in; starter/ validates before anything is written.
-MAX_NAME = 200
-MAX_REASON = 2000
 # The operator of a stop request made by Temporal's own cancel of an export workflow; the recording activity
 # adds the identity Temporal recorded for the cancel.
 TEMPORAL_CANCEL_OPERATOR = "temporal-cancel"
-
-
-def _storable(text: str) -> str:
-    """Text that a text column can hold and a terminal can show: no NUL (PostgreSQL refuses it), no other control
-    character but tab and newline (ESC would reach an operator's terminal), and valid UTF-8."""
-    if "\x00" in text:
-        raise ValueError("must not contain a NUL byte")
-    if any(unicodedata.category(c) == "Cc" and c not in "\t\n" for c in text):
-        raise ValueError("must not contain control characters such as ESC")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("must be valid UTF-8 text") from None
-    return text
-
-
-def _not_blank(text: str) -> str:
-    if not text.strip():
-        raise ValueError("must not be blank")
-    return text
-
-
-# Text a person typed that ends up in a text column: storable, and bounded by the column's agreed length. A name
-# says who (never blank); a reason may be left out; a text (evidence, why) is given and not blank.
-Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME), AfterValidator(_storable), AfterValidator(_not_blank)]
-Reason = Annotated[str, Field(max_length=MAX_REASON), AfterValidator(_storable)]
-Text = Annotated[str, Field(min_length=1, max_length=MAX_REASON), AfterValidator(_storable),
-                 AfterValidator(_not_blank)]
-
-
-class CreateExport(BaseModel):
-    """What a platform team supplies to create an export; the workflow's first activity runs the creation."""
-
-    job_id: UUID
-    tenant_id: UUID
-    destination_id: UUID
-    created_by: Name
-    delivery_key: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-class ExportInput(BaseModel):
-    job_id: UUID
-    create: CreateExport | None = None
-
-
-class ExportResult(BaseModel):
-    job_id: UUID
-    status: Status
-    failure_reason: FailureCode | None = None
-
-
-class Wake(BaseModel):
-    """The `wake` signal: one outbox row, published by the dispatcher. Retries of a row reuse its message ID."""
-
-    message_id: UUID
-
-
-class CancelRequest(BaseModel):
-    """The `cancel` signal's payload, from the CLI or sent raw from the Temporal UI or CLI, e.g.
-    {"request_id": "…", "tenant": "…", "operator": "ann@example.com", "reason": "wrong list"}."""
-
-    request_id: UUID
-    tenant_id: UUID = Field(validation_alias=AliasChoices("tenant_id", "tenant"))
-    requested_by: Name = Field(validation_alias=AliasChoices("requested_by", "operator"))
-    reason: Reason | None = None
 
 
 class Evaluation(BaseModel):

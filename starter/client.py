@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from exports_client.client import ExportsWorkflowClient
 from pydantic import BaseModel, Field, ValidationError
 from sqlalchemy import event
 from sqlalchemy.engine import Dialect
@@ -20,7 +21,7 @@ from sqlalchemy.pool import ConnectionPoolEntry
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.contracts import CancelRequest, CreateExport, ExportInput, ExportResult, Name, Text
+from activities.contracts import CancelRequest, CreateExport, ExportResult, Name, Text
 from activities.process.temporal import CONNECT_TIMEOUT_SECONDS, Unreachable
 from store import errors
 from store.db import make_engine
@@ -37,7 +38,6 @@ from workflows.identity import (
     EXPORT_TENANT,
     export_workflow_id,
     job_id_of,
-    tenant_priority,
 )
 
 # What PostgreSQL's integer columns store (export_jobs.version).
@@ -220,16 +220,12 @@ class ExportsClient:
         delivery_key: str | None = None,
         job_id: str | uuid.UUID | None = None,
     ) -> WorkflowHandle[Any, ExportResult]:
-        """What a platform team does with a plain Temporal client: start the workflow, which creates the row."""
+        """What a platform team does with a plain Temporal client (the client package's start): the workflow
+        creates the row."""
         request = self._creation(tenant_id, destination_id, created_by, delivery_key, job_id)
-        return await self._temporal().start_workflow(
-            "ExportWorkflow",
-            ExportInput(job_id=request.job_id, create=request),
-            id=export_workflow_id(request.job_id),
-            task_queue=self.task_queue,
-            result_type=ExportResult,
-            priority=tenant_priority(request.tenant_id),
-        )
+        workflows = ExportsWorkflowClient(self._temporal(), task_queue=self.task_queue)
+        await workflows.start(**request.model_dump())
+        return workflows.handle(request.job_id)
 
     def _creation(self, tenant_id: str | uuid.UUID, destination_id: str | uuid.UUID, created_by: str,
                   delivery_key: str | None, job_id: str | uuid.UUID | None) -> CreateExport:

@@ -1,56 +1,45 @@
-"""How the outside world addresses an export's workflow: its ID and its search attributes. Kept apart from the
-workflow's code so that clients, the dispatcher and the local stack import only this (no activities, no store)."""
+"""How the outside world addresses an export's workflow: the client package's (exports_client/identity.py), and
+the task queue of its claims, which only workers know. The dispatcher and the local stack import only this (no
+activities, no store)."""
 
 from __future__ import annotations
 
-import re
-import uuid
-
-from temporalio.common import Priority, SearchAttributeKey
-
-EXPORT_WORKFLOW_PREFIX = "export-"
-_EXPORT_WORKFLOW_ID = re.compile(r"^export-([0-9a-fA-F-]{36})$")
-
-
-def export_workflow_id(job_id: object) -> str:
-    """The one workflow of an export: `export-<job id>`. Its start, signals and queries all go to this ID."""
-    return f"{EXPORT_WORKFLOW_PREFIX}{job_id}"
-
-
-def job_id_of(workflow_id: object) -> str | None:
-    """The export's ID when the workflow ID is `export-<uuid>`, else None (recovery, sweeper, ...)."""
-    found = _EXPORT_WORKFLOW_ID.match(workflow_id) if isinstance(workflow_id, str) else None
-    if found is None:
-        return None
-    try:
-        return str(uuid.UUID(found.group(1)))
-    except ValueError:
-        return None
+from exports_client.identity import (
+    DELIVERY_KEY as DELIVERY_KEY,
+)
+from exports_client.identity import (
+    EXPORT_ATTEMPTS as EXPORT_ATTEMPTS,
+)
+from exports_client.identity import (
+    EXPORT_CONFIRMED_BY as EXPORT_CONFIRMED_BY,
+)
+from exports_client.identity import (
+    EXPORT_STATUS as EXPORT_STATUS,
+)
+from exports_client.identity import (
+    EXPORT_TENANT as EXPORT_TENANT,
+)
+from exports_client.identity import (
+    EXPORT_WORKFLOW_PREFIX as EXPORT_WORKFLOW_PREFIX,
+)
+from exports_client.identity import (
+    SEARCH_ATTRIBUTES as SEARCH_ATTRIBUTES,
+)
+from exports_client.identity import (
+    export_workflow_id as export_workflow_id,
+)
+from exports_client.identity import (
+    job_id_of as job_id_of,
+)
+from exports_client.identity import (
+    search_attribute_kinds as search_attribute_kinds,
+)
+from exports_client.identity import (
+    tenant_priority as tenant_priority,
+)
 
 
 def admission_queue(task_queue: str) -> str:
     """The task queue of the claims (cutoff 1) of exports whose runs are on `task_queue`: a worker polls it only
     while it has a build slot free (activities/capacity.py)."""
     return f"{task_queue}-admission"
-
-
-def tenant_priority(tenant_id: object | None) -> Priority:
-    """An export run's priority: its tenant as the fairness key (a UUID's 36 characters, within Temporal's 64
-    bytes), so that where the server has fairness on, each tenant's steps get their share of the workers and one
-    tenant's burst does not hold back another's export (LD5). Without a tenant, the default (an empty key)."""
-    return Priority(fairness_key=str(tenant_id)) if tenant_id is not None else Priority.default
-
-
-EXPORT_STATUS = SearchAttributeKey.for_keyword("ExportStatus")
-EXPORT_TENANT = SearchAttributeKey.for_keyword("ExportTenant")
-DELIVERY_KEY = SearchAttributeKey.for_keyword("DeliveryKey")
-EXPORT_ATTEMPTS = SearchAttributeKey.for_int("ExportAttempts")
-# How a Completed was confirmed (sha256, acknowledgment, size, reconciliation, correction); absent otherwise.
-EXPORT_CONFIRMED_BY = SearchAttributeKey.for_keyword("ExportConfirmedBy")
-SEARCH_ATTRIBUTES = (EXPORT_STATUS, EXPORT_TENANT, DELIVERY_KEY, EXPORT_ATTEMPTS, EXPORT_CONFIRMED_BY)
-
-
-def search_attribute_kinds() -> dict[str, str]:
-    """{name: kind} as `temporal operator search-attribute create` and the dev server's flag spell them."""
-    return {key.name: key.indexed_value_type.name.removeprefix("INDEXED_VALUE_TYPE_").title()
-            for key in SEARCH_ATTRIBUTES}

@@ -28,6 +28,7 @@ import time
 from uuid import UUID
 
 import asyncpg
+from exports_client.client import WORKFLOW_TYPE
 from temporalio.client import Client
 
 from activities.contracts import ExportInput, Wake
@@ -69,7 +70,7 @@ class OutboxDispatcher:
 
     async def publish(self, message_id: UUID, job_id: UUID, tenant_id: UUID | None = None) -> None:
         await self.client.start_workflow(
-            "ExportWorkflow",
+            WORKFLOW_TYPE,
             ExportInput(job_id=job_id),
             id=export_workflow_id(job_id),
             task_queue=self.task_queue,

@@ -1,0 +1,249 @@
+"""The client package (starter/client_package, `exports_client`): what a platform team installs to start, cancel
+and read exports, alone, against the suite's real Temporal, PostgreSQL and SFTP partner; the README's snippets
+run as written; the JSON Schemas match the models."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import tomllib
+import uuid
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import pytest
+from exports_client import (
+    CancellationOutcome,
+    ExportNotRunning,
+    ExportResult,
+    ExportsWorkflowClient,
+    InvalidRequest,
+    JobRow,
+    Status,
+)
+from exports_client.schemas import drifted
+from temporalio.client import Client
+from temporalio.converter import DataConverter
+from temporalio.service import RPCError
+
+from starter.localstack.temporal import temporal_binary
+from tests.helpers.harness import Harness, open_harness
+from tests.helpers.support import eventually
+from workflows.identity import export_workflow_id
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "starter" / "client_package"
+README = ROOT / "README.md"
+WORKER_PACKAGES = {"activities", "store", "starter", "workflows", "worker"}
+
+
+def readme_block(language: str, after: str) -> str:
+    """The first ```language block of the README after the heading `after`."""
+    text = README.read_text()
+    found = re.search(rf"```{language}\n(.*?)```", text[text.index(after):], re.S)
+    assert found, f"no {language} block after {after!r} in the README"
+    return found.group(1)
+
+
+def as_script(snippet: str, h: Harness) -> str:
+    """The README's snippet (top-level awaits, as in a notebook or `python -m asyncio`) in a coroutine, pointed at
+    the suite's Temporal and the harness's task queue, with the harness's tenant and destination."""
+    code = snippet.replace('"127.0.0.1:7233"', repr(h.client.service_client.config.target_host))
+    code = code.replace('task_queue="exports"', f"task_queue={h.settings.task_queue!r}")
+    return (f"import asyncio\nTENANT_ID = {str(h.tenant_id)!r}\nDESTINATION_ID = {str(h.destination_id)!r}\n"
+            f"async def main():\n{textwrap.indent(code, '    ')}\n    return locals()\n"
+            "found = asyncio.run(main())\n"
+            "print(found['result'].model_dump_json())\n" + EXIT_WITHOUT_TEARDOWN)
+
+
+# A short-lived client process can abort in the interpreter's teardown (temporalio/sdk-python#300, SIGABRT now
+# and then): the scripts end as the README advises such scripts to.
+EXIT_WITHOUT_TEARDOWN = "import os, sys\nsys.stdout.flush()\nos._exit(0)\n"
+
+
+def run_script(python: str | Path, script: str, timeout: float = 90) -> str:
+    done = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=timeout,
+                          cwd="/", env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+async def test_the_readme_snippet_starts_an_export_and_reads_its_typed_result(harness: Harness):
+    """Before the client package, the snippet's `result.status` raised: without `result_type`, the result is a
+    dict under the pydantic converter."""
+    script = as_script(readme_block("python", "## Starting an export from another service"), harness)
+    out = await asyncio.to_thread(run_script, sys.executable, script)
+    result = ExportResult.model_validate_json(out.strip().splitlines()[-1])
+    assert result.status is Status.COMPLETED, result
+    row = await harness.store.read_job(result.job_id)
+    assert row.status is Status.COMPLETED and row.created_by == "billing-service"
+    assert row.delivery_key == "2026-11-weekly"
+
+
+@pytest.fixture
+async def early_update_harness(db, store, client, tmp_path):
+    """Slow builds (seconds to stop), and the cancel Update taken (EXPORTS_EARLY_PATCHES)."""
+    async with AsyncExitStack() as stack:
+        yield await open_harness(stack, db, store, client, tmp_path, contacts=2000,
+                                 build_throttle_bytes_per_second=40_000, early_patches="cancel-update")
+
+
+async def _running(h: Harness, job_id: uuid.UUID) -> None:
+    await eventually(lambda: h.store.read_job(job_id), lambda r: r is not None and r.status is Status.RUNNING,
+                     timeout=30, interval=0.1, what=f"export {job_id} running")
+
+
+async def test_a_cancel_is_answered_with_the_recorded_outcome_and_a_retry_is_the_same_request(
+        early_update_harness: Harness):
+    h = early_update_harness
+    exports = ExportsWorkflowClient(h.client, task_queue=h.settings.task_queue)
+    job_id = await exports.start(tenant_id=h.tenant_id, destination_id=h.destination_id, created_by="billing")
+    # A start sent again (a lost response, retried) keeps the open run.
+    assert await exports.start(tenant_id=h.tenant_id, destination_id=h.destination_id, created_by="billing",
+                               job_id=job_id) == job_id
+    await _running(h, job_id)
+    request_id = uuid.uuid4()
+    answer = await exports.cancel(job_id, tenant_id=h.tenant_id, requested_by="ann@example.com",
+                                  reason="wrong list", request_id=request_id)
+    assert answer.sent_as == "update" and answer.result is not None
+    assert answer.result.outcome is CancellationOutcome.STOP_REQUESTED, answer
+    again = await exports.cancel(job_id, tenant_id=h.tenant_id, requested_by="ann@example.com",
+                                 reason="wrong list", request_id=request_id)
+    assert again.result == answer.result
+    result = await asyncio.wait_for(exports.result(job_id), 60)
+    assert result.status is Status.STOPPED
+    row = await exports.describe(job_id)
+    assert isinstance(row, JobRow) and row.status is Status.STOPPED and row.stop_request_id == request_id
+    assert (await h.store.read_job(job_id)).stop_request_id == request_id
+    with pytest.raises(ExportNotRunning):
+        await exports.cancel(job_id, tenant_id=h.tenant_id, requested_by="ann@example.com")
+
+
+async def test_a_run_that_takes_no_update_gets_the_signal_with_the_same_request(slow_build_harness: Harness):
+    h = slow_build_harness
+    exports = ExportsWorkflowClient(h.client, task_queue=h.settings.task_queue)
+    job_id = await exports.start(tenant_id=h.tenant_id, destination_id=h.destination_id, created_by="billing")
+    await _running(h, job_id)
+    answer = await exports.cancel(job_id, tenant_id=h.tenant_id, requested_by="ann@example.com")
+    assert answer.sent_as == "signal" and answer.result is None
+    assert (await asyncio.wait_for(exports.result(job_id), 60)).status is Status.STOPPED
+    assert (await h.store.read_job(job_id)).stop_request_id == answer.request_id
+
+
+async def test_bad_input_is_refused_before_anything_is_sent(harness: Harness):
+    exports = ExportsWorkflowClient(harness.client, task_queue=harness.settings.task_queue)
+    job_id = uuid.uuid4()
+    for bad in ({"tenant_id": "not-a-uuid"}, {"created_by": "  "}, {"created_by": "a\x00b"},
+                {"delivery_key": "../etc"}, {"created_by": "x" * 201}):
+        arguments = {"tenant_id": harness.tenant_id, "destination_id": harness.destination_id,
+                     "created_by": "billing", "job_id": job_id, **bad}
+        with pytest.raises(InvalidRequest):
+            await exports.start(**arguments)
+    with pytest.raises(InvalidRequest):
+        await exports.cancel(job_id, tenant_id=harness.tenant_id, requested_by="\x1b[31m")
+    with pytest.raises(InvalidRequest):
+        await exports.result("export-1")
+    with pytest.raises(RPCError):  # nothing was started under that ID
+        await harness.client.get_workflow_handle(export_workflow_id(job_id)).describe()
+    assert await harness.store.read_job(job_id) is None
+
+
+def test_the_json_schemas_are_the_models():
+    assert drifted() == [], "run .venv/bin/python -m exports_client.schemas and commit starter/client_package"
+    schema = json.loads((PACKAGE / "exports_client" / "schemas" / "export-input.schema.json").read_text())
+    assert schema["required"] == ["job_id"] and "create" in schema["properties"]
+
+
+def test_the_client_package_imports_nothing_of_the_worker_and_versions_with_it():
+    for path in (PACKAGE / "exports_client").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not {n.split(".")[0] for n in names} & WORKER_PACKAGES, (path.name, names)
+    version = tomllib.loads((PACKAGE / "pyproject.toml").read_text())["project"]["version"]
+    assert version == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+ALONE = """
+import asyncio, importlib.util, sys
+from exports_client import ExportsWorkflowClient, Status
+for worker_only in ("sqlalchemy", "asyncpg", "asyncssh", "activities", "store", "starter", "workflows"):
+    assert importlib.util.find_spec(worker_only) is None, worker_only
+step, address, queue, tenant, destination = sys.argv[1:6]
+
+async def main():
+    exports = await ExportsWorkflowClient.connect(address, task_queue=queue)
+    if step == "start":
+        print(await exports.start(tenant_id=tenant, destination_id=destination, created_by="alone"))
+    elif step == "cancel":
+        answer = await exports.cancel(sys.argv[6], tenant_id=tenant, requested_by="alone", reason="test")
+        print(answer.sent_as, answer.request_id)
+    else:
+        result, row = await exports.result(sys.argv[6]), await exports.describe(sys.argv[6])
+        print(result.status.value, row.status.value)
+
+asyncio.run(main())
+""" + EXIT_WITHOUT_TEARDOWN
+
+
+@pytest.mark.timeout(300)
+async def test_the_client_package_alone_in_a_fresh_venv_starts_cancels_and_reads_exports(
+        slow_build_harness: Harness, tmp_path: Path):
+    h = slow_build_harness
+    venv = tmp_path / "client-venv"
+    python = venv / "bin" / "python"
+    steps = [[sys.executable, "-m", "venv", str(venv)],
+             [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+              "-c", str(ROOT / "requirements" / "lock.txt"), str(PACKAGE)]]
+    for step in steps:
+        done = await asyncio.to_thread(subprocess.run, step, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    async def alone(step: str, *more: str) -> list[str]:
+        out = await asyncio.to_thread(
+            subprocess.run, [str(python), "-c", ALONE, step, h.client.service_client.config.target_host,
+                             h.settings.task_queue, str(h.tenant_id), str(h.destination_id), *more],
+            capture_output=True, text=True, timeout=90, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout.split()
+
+    [finished] = await alone("start")
+    assert await alone("read", finished) == ["Completed", "Completed"]
+    [stopped] = await alone("start")
+    await _running(h, uuid.UUID(stopped))
+    sent_as, request_id = await alone("cancel", stopped)
+    assert sent_as == "signal"  # a run of this release takes the signal; the Update is refused to the client
+    assert await alone("read", stopped) == ["Stopped", "Stopped"]
+    assert (await h.store.read_job(uuid.UUID(finished))).status is Status.COMPLETED
+    row = await h.store.read_job(uuid.UUID(stopped))
+    assert row.status is Status.STOPPED and str(row.stop_request_id) == request_id
+
+
+async def test_the_readme_starts_and_cancels_with_the_temporal_cli_from_the_schemas(early_update_harness: Harness):
+    h = early_update_harness
+    block = readme_block("sh", "### From another language, or by hand")
+    block = block.replace("--task-queue exports", f"--task-queue {h.settings.task_queue}")
+    env = {**os.environ, "PATH": f"{Path(temporal_binary()).parent}:{os.environ['PATH']}",
+           "TEMPORAL_ADDRESS": h.client.service_client.config.target_host, "TENANT": str(h.tenant_id),
+           "DESTINATION": str(h.destination_id)}
+    done = await asyncio.to_thread(subprocess.run, ["bash", "-euo", "pipefail", "-c", block + '\necho "$JOB"'],
+                                   capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    job_id = uuid.UUID(done.stdout.strip().splitlines()[-1])
+    exports = ExportsWorkflowClient(h.client, task_queue=h.settings.task_queue)
+    result = await asyncio.wait_for(exports.result(job_id), 60)
+    row = await h.store.read_job(job_id)
+    assert row.created_by == "billing-service" and result.status is row.status
+    # Sent at once after the start: the export was Queued or building when the Update was answered.
+    assert row.status in (Status.CANCELED, Status.STOPPED), row
+
+
+def test_a_client_of_temporals_default_converter_is_given_the_contracts_converter(client: Client):
+    plain = Client(**{**client.config(), "data_converter": DataConverter.default})
+    assert ExportsWorkflowClient(plain).client.data_converter is not plain.data_converter
