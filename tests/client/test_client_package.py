@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -198,9 +199,11 @@ async def test_the_client_package_alone_in_a_fresh_venv_starts_cancels_and_reads
     h = slow_build_harness
     venv = tmp_path / "client-venv"
     python = venv / "bin" / "python"
+    # Built from a copy: a build in place would leave build/ and egg-info in the source tree (and the image's context).
+    source = shutil.copytree(PACKAGE, tmp_path / "client_package")
     steps = [[sys.executable, "-m", "venv", str(venv)],
              [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-              "-c", str(ROOT / "requirements" / "lock.txt"), str(PACKAGE)]]
+              "-c", str(ROOT / "requirements" / "lock.txt"), str(source)]]
     for step in steps:
         done = await asyncio.to_thread(subprocess.run, step, capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stderr[-3000:]
