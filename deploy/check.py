@@ -28,6 +28,8 @@ DOCKERFILE = DEPLOY / "Dockerfile"
 COMPOSE = DEPLOY / "compose.yaml"
 K8S = DEPLOY / "k8s"
 KUSTOMIZATION = K8S / "kustomization.yaml"
+# The optional kustomize component with the ServiceMonitor (the Prometheus Operator's CRD): overlays name it.
+MONITORING = K8S / "monitoring"
 
 # The oldest Kubernetes the base supports and the newest whose schemas kubernetes-validate bundles: a field
 # removed or renamed in between fails one of them.
@@ -37,6 +39,14 @@ SHUTDOWN_EXIT_MARGIN_SECONDS = 5.0
 DEFAULT_SHUTDOWN_GRACE_SECONDS = 25.0
 # Directories of the repository that must never reach the image's build context (contact data, secrets, bulk).
 NEVER_IN_CONTEXT = (".exports", ".venv", ".git", "tests")
+# Resources of a CRD: kubernetes-validate has no schema for them, so the schema check skips them and a check of
+# their own reads their shape.
+CUSTOM_RESOURCES = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+WORKER_DEPLOYMENT = "exports-worker"
+MIGRATE_COMMAND = ["exports", "migrate"]
+OWNER_URL_VARIABLE = "EXPORTS_OWNER_DATABASE_URL"
+OWNER_SECRET = "exports-db-owner"
+HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
 
 
 # --- hadolint -----------------------------------------------------------------------------------------------
@@ -344,6 +354,8 @@ def manifest_problems(manifest: Path, versions: Iterable[str] = KUBERNETES_VERSI
     problems: list[str] = []
     for document in documents:
         name = f"{document.get('kind', '?')}/{(document.get('metadata') or {}).get('name', '?')}"
+        if (document.get("apiVersion"), document.get("kind")) in CUSTOM_RESOURCES:
+            continue
         for version in versions:
             version = utils.latest_version() if version == "latest" else version
             try:
@@ -358,12 +370,18 @@ def manifest_problems(manifest: Path, versions: Iterable[str] = KUBERNETES_VERSI
     return problems
 
 
-def pod_specs(document: dict[str, Any]) -> list[dict[str, Any]]:
-    spec = document.get("spec") or {}
+def pod_template(document: dict[str, Any]) -> dict[str, Any] | None:
+    """The pod a workload runs (its template, with metadata), a Pod itself, or None."""
     if document.get("kind") == "Pod":
-        return [spec]
+        return document
+    spec = document.get("spec") or {}
     template = (spec.get("jobTemplate") or {}).get("spec", spec).get("template") or {}
-    return [template["spec"]] if template.get("spec") else []
+    return template if template.get("spec") else None
+
+
+def pod_specs(document: dict[str, Any]) -> list[dict[str, Any]]:
+    template = pod_template(document)
+    return [template["spec"]] if template else []
 
 
 def hardening_problems(directory: Path = K8S) -> list[str]:
@@ -403,7 +421,8 @@ def kustomization_problems(kustomization: Path = KUSTOMIZATION) -> list[str]:
         document = yaml.safe_load(kustomization.read_text())
     except (OSError, yaml.YAMLError) as exc:
         return [f"does not parse: {exc}"]
-    if not isinstance(document, dict) or document.get("kind") != "Kustomization":
+    # A component (monitoring/) lists its files the same way.
+    if not isinstance(document, dict) or document.get("kind") not in ("Kustomization", "Component"):
         return ["not a Kustomization"]
     base = kustomization.parent
     problems: list[str] = []
@@ -434,6 +453,203 @@ def kustomization_problems(kustomization: Path = KUSTOMIZATION) -> list[str]:
     for manifest in manifest_files(base):
         if manifest.resolve() not in named:
             problems.append(f"{manifest.name} is not named in {kustomization.name}")
+    return problems
+
+
+# --- the worker's rollout, spread and scrape ---------------------------------------------------------------
+
+
+def _resources(directory: Path) -> list[dict[str, Any]]:
+    return [document for manifest in manifest_files(directory) for document in load_documents(manifest)]
+
+
+def _name(document: dict[str, Any]) -> str:
+    return f"{document.get('kind')}/{(document.get('metadata') or {}).get('name')}"
+
+
+def _labels(document: dict[str, Any]) -> dict[str, str]:
+    return (document.get("metadata") or {}).get("labels") or {}
+
+
+def selector_matches(selector: Any, labels: dict[str, str]) -> bool:
+    """Whether a LabelSelector (matchLabels, matchExpressions) selects these labels. None selects nothing, as a
+    topology spread constraint or a ServiceMonitor without one counts no pod; {} selects everything."""
+    if not isinstance(selector, dict):
+        return False
+    if any(labels.get(key) != value for key, value in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expression in selector.get("matchExpressions") or []:
+        key, operator = expression.get("key"), expression.get("operator")
+        values = expression.get("values") or []
+        present = key in labels
+        if not {"In": present and labels.get(key) in values,
+                "NotIn": not present or labels.get(key) not in values,
+                "Exists": present,
+                "DoesNotExist": not present}.get(operator, False):
+            return False
+    return True
+
+
+def _command_line(container: dict[str, Any]) -> list[str]:
+    return list(container.get("command") or []) + list(container.get("args") or [])
+
+
+def _owner_url_routes(container: dict[str, Any]) -> list[str]:
+    """How the owner's URL reaches a container: its variable, the Secret by variable or by envFrom."""
+    routes = []
+    for variable in container.get("env") or []:
+        secret = ((variable.get("valueFrom") or {}).get("secretKeyRef") or {}).get("name")
+        if variable.get("name") == OWNER_URL_VARIABLE:
+            routes.append(f"the variable {OWNER_URL_VARIABLE}")
+        elif secret == OWNER_SECRET:
+            routes.append(f"Secret {OWNER_SECRET} as {variable.get('name')}")
+    for source in container.get("envFrom") or []:
+        if (source.get("secretRef") or {}).get("name") == OWNER_SECRET:
+            routes.append(f"Secret {OWNER_SECRET} by envFrom")
+    return routes
+
+
+def migration_order_problems(directory: Path = K8S) -> list[str]:
+    """The worker Deployment migrates before its worker starts, in every new pod: an init container (not a
+    native sidecar, restartPolicy Always, which runs beside the worker) runs `exports migrate` with the owner's
+    URL from Secret exports-db-owner. That URL reaches no other container of the base, by variable, envFrom or
+    a volume of the Secret: the worker and the jobs run with less."""
+    documents = _resources(directory)
+    deployment = next((d for d in documents if d.get("kind") == "Deployment"
+                       and (d.get("metadata") or {}).get("name") == WORKER_DEPLOYMENT), None)
+    if deployment is None or pod_template(deployment) is None:
+        return [f"no Deployment {WORKER_DEPLOYMENT} with a pod template in the Kubernetes base"]
+    problems: list[str] = []
+    where = f"{_name(deployment)}:"
+    pod = pod_template(deployment)["spec"]
+    migration = next((c for c in pod.get("initContainers") or [] if _command_line(c) == MIGRATE_COMMAND), None)
+    if migration is None:
+        problems.append(f"{where} no init container runs `exports migrate`: a new worker may start on an older "
+                        "schema")
+    else:
+        inner = f"{where} init container {migration.get('name')}"
+        if migration.get("restartPolicy") == "Always":
+            problems.append(f"{inner} is a sidecar (restartPolicy Always): it runs beside the worker, not before")
+        owner = next((v for v in migration.get("env") or [] if v.get("name") == OWNER_URL_VARIABLE), None)
+        source = ((owner or {}).get("valueFrom") or {}).get("secretKeyRef") or {}
+        # Required: a missing Secret then names itself in the pod's status, rather than a migration without a URL.
+        if source.get("name") != OWNER_SECRET or source.get("key") != "url" or source.get("optional"):
+            problems.append(f"{inner}: {OWNER_URL_VARIABLE} is not taken from Secret {OWNER_SECRET} key url "
+                            "(required)")
+    for document in documents:
+        template = pod_template(document)
+        if template is None:
+            continue
+        spec = template["spec"]
+        for volume in spec.get("volumes") or []:
+            sources = [volume] + [s for s in (volume.get("projected") or {}).get("sources") or []]
+            if any(((s.get("secret") or {}).get("secretName") or (s.get("secret") or {}).get("name"))
+                   == OWNER_SECRET for s in sources):
+                problems.append(f"{_name(document)}: volume {volume.get('name')} holds Secret {OWNER_SECRET}")
+        for container in (spec.get("initContainers") or []) + (spec.get("containers") or []):
+            if container is migration:
+                continue
+            for route in _owner_url_routes(container):
+                problems.append(f"{_name(document)} container {container.get('name')}: gets the owner's URL "
+                                f"({route}); only the migration may")
+    return problems
+
+
+def spread_problems(directory: Path = K8S) -> list[str]:
+    """Each Deployment spreads its replicas over nodes (a topology spread constraint on kubernetes.io/hostname),
+    and every constraint's labelSelector selects the pod template's labels: one that selects other pods spreads
+    nothing of this Deployment."""
+    problems: list[str] = []
+    for deployment in [d for d in _resources(directory) if d.get("kind") == "Deployment"]:
+        template = pod_template(deployment) or {"spec": {}}
+        labels = _labels(template)
+        constraints = template["spec"].get("topologySpreadConstraints") or []
+        where = f"{_name(deployment)}:"
+        if not any(c.get("topologyKey") == HOSTNAME_TOPOLOGY for c in constraints):
+            problems.append(f"{where} no topology spread over {HOSTNAME_TOPOLOGY}: every replica may land on "
+                            "one node")
+        for constraint in constraints:
+            if not selector_matches(constraint.get("labelSelector"), labels):
+                problems.append(f"{where} the spread over {constraint.get('topologyKey')} selects "
+                                f"{constraint.get('labelSelector')}, not the pod template's labels {labels}")
+    return problems
+
+
+def _selects_pods(service: dict[str, Any], labels: dict[str, str]) -> bool:
+    # A Service without a selector selects no pod (its endpoints are written by hand).
+    selector = (service.get("spec") or {}).get("selector")
+    return bool(selector) and selector_matches({"matchLabels": selector}, labels)
+
+
+def service_problems(directory: Path = K8S) -> list[str]:
+    """A Service selects the worker's pods, every Service selects the pods of some workload of the base, and
+    each of its ports is named (a ServiceMonitor names it) and targets a port that every selected pod's
+    containers declare, by name or number: a target that names nothing leaves the Service without endpoints."""
+    documents = _resources(directory)
+    templates = [(d, t) for d in documents if (t := pod_template(d)) is not None]
+    services = [d for d in documents if d.get("kind") == "Service"]
+    problems: list[str] = []
+    for service in services:
+        where = f"{_name(service)}:"
+        spec = service.get("spec") or {}
+        selected = [(d, t) for d, t in templates if _selects_pods(service, _labels(t))]
+        if not selected:
+            problems.append(f"{where} selects {spec.get('selector') or 'nothing (no selector)'}, which no pod "
+                            "template of the base carries")
+        for port in spec.get("ports") or []:
+            name = port.get("name")
+            if not name:
+                problems.append(f"{where} port {port.get('port')} has no name (a ServiceMonitor names its port)")
+            target = port.get("targetPort", port.get("port"))
+            for document, template in selected:
+                declared = [p for c in template["spec"].get("containers") or [] for p in c.get("ports") or []]
+                field = "name" if isinstance(target, str) else "containerPort"
+                if target not in {p.get(field) for p in declared}:
+                    problems.append(f"{where} port {name or port.get('port')} targets {target}, which no "
+                                    f"container of {_name(document)} declares")
+    worker = next((t for d, t in templates if d.get("kind") == "Deployment"
+                   and (d.get("metadata") or {}).get("name") == WORKER_DEPLOYMENT), None)
+    if worker is not None and not any(_selects_pods(service, _labels(worker)) for service in services):
+        problems.append(f"no Service selects the pods of Deployment/{WORKER_DEPLOYMENT}: Prometheus finds no "
+                        "worker")
+    return problems
+
+
+def service_monitor_problems(monitoring: Path = MONITORING, directory: Path = K8S) -> list[str]:
+    """The component's ServiceMonitors, whose schema kubernetes-validate lacks (a CRD), have the shape the
+    Operator reads (monitoring.coreos.com/v1, a selector, a list of endpoints each naming a port); each selects
+    a Service of the base, and each endpoint names a port that Service has: a port it lacks is scraped nowhere,
+    without an error anywhere."""
+    services = [d for d in _resources(directory) if d.get("kind") == "Service"]
+    monitors = [d for d in _resources(monitoring) if d.get("kind") == "ServiceMonitor"]
+    if not monitors:
+        return [f"no ServiceMonitor in {monitoring.name}/"]
+    problems: list[str] = []
+    for monitor in monitors:
+        where = f"{_name(monitor)}:"
+        if monitor.get("apiVersion") != "monitoring.coreos.com/v1":
+            problems.append(f"{where} apiVersion {monitor.get('apiVersion')} is not monitoring.coreos.com/v1")
+        spec = monitor.get("spec") if isinstance(monitor.get("spec"), dict) else {}
+        selector = spec.get("selector")
+        matched = [s for s in services if selector_matches(selector, _labels(s))]
+        if not isinstance(selector, dict):
+            problems.append(f"{where} no selector")
+        elif not matched:
+            problems.append(f"{where} selects {selector}, which no Service of the base carries")
+        endpoints = spec.get("endpoints")
+        if not isinstance(endpoints, list) or not endpoints:
+            problems.append(f"{where} no endpoints")
+            continue
+        for index, endpoint in enumerate(endpoints):
+            port = endpoint.get("port") if isinstance(endpoint, dict) else None
+            if not isinstance(port, str) or not port:
+                problems.append(f"{where} endpoint {index} names no Service port (port)")
+                continue
+            if not str(endpoint.get("path", "/metrics")).startswith("/"):
+                problems.append(f"{where} endpoint {index} path {endpoint.get('path')} does not start with /")
+            for service in matched:
+                if port not in {p.get("name") for p in (service.get("spec") or {}).get("ports") or []}:
+                    problems.append(f"{where} endpoint {index} names port {port}, which {_name(service)} lacks")
     return problems
 
 
@@ -505,10 +721,16 @@ def all_checks() -> list[Check]:
         Check("compose", COMPOSE, lambda: compose_problems(COMPOSE)),
     ]
     checks += [Check("k8s-schema", manifest, lambda m=manifest: manifest_problems(m)) for manifest in
-               manifest_files(K8S)]
+               manifest_files(K8S) + manifest_files(MONITORING)]
     checks += [
         Check("k8s-hardening", K8S, lambda: hardening_problems(K8S)),
+        Check("k8s-migration", K8S, lambda: migration_order_problems(K8S)),
+        Check("k8s-spread", K8S, lambda: spread_problems(K8S)),
+        Check("k8s-service", K8S, lambda: service_problems(K8S)),
+        Check("k8s-monitor", MONITORING, lambda: service_monitor_problems(MONITORING, K8S)),
         Check("kustomization", KUSTOMIZATION, lambda: kustomization_problems(KUSTOMIZATION)),
+        Check("kustomization", MONITORING / "kustomization.yaml",
+              lambda: kustomization_problems(MONITORING / "kustomization.yaml")),
         Check("shutdown-bound", DEPLOY, lambda: shutdown_bound_problems(COMPOSE, K8S)),
     ]
     return checks

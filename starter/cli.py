@@ -188,6 +188,7 @@ def migrate(
 ) -> None:
     """Apply the database migrations as the owner role (EXPORTS_OWNER_DATABASE_URL), and the grants the worker
     checks at start. With --to, migrate up or down to that revision, in one transaction."""
+    from starter.preflight import grant_statements
     from store.db import MigrationLocked, UnknownRevision, head_revision, migration_sql, resolve_revision
     from store.db import migrate as run_migrations
 
@@ -209,10 +210,11 @@ def migrate(
         settings = _settings()
         url = settings.owner_database_url
         await _reach_database(url, "EXPORTS_OWNER_DATABASE_URL")
-        moved = await run_migrations(url, target, lock_timeout_seconds=settings.migration_lock_timeout_seconds)
-        if target == head_revision():
-            await _grant_worker_privileges(url)
-        return moved
+        # The grants the worker checks at start, again: the migrations gave them, a restore without privileges or a
+        # REVOKE may have taken them, and this is what the worker's line tells the operator to run.
+        grants = grant_statements() if target == head_revision() else []
+        return await run_migrations(url, target, lock_timeout_seconds=settings.migration_lock_timeout_seconds,
+                                    then=grants)
 
     try:
         before, after = asyncio.run(main())
@@ -224,21 +226,6 @@ def migrate(
         console.print(f"migrations applied: the database was already at {after}")
     else:
         console.print(f"migrations applied: the database is at {after} (was {before or 'empty'})")
-
-
-async def _grant_worker_privileges(owner_url: str) -> None:
-    """The grants the worker checks at start, again: the migrations gave them, a restore without privileges or a
-    REVOKE may have taken them, and this is what the worker's line tells the operator to run."""
-    from starter.preflight import grant_statements
-    from store.db import make_engine
-
-    engine = make_engine(owner_url, pool_size=1, max_overflow=0)
-    try:
-        async with engine.begin() as conn:
-            for statement in grant_statements():
-                await conn.exec_driver_sql(statement)
-    finally:
-        await engine.dispose()
 
 
 @app.command()

@@ -6,6 +6,7 @@ import asyncio
 import io
 import logging
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -289,19 +290,32 @@ async def database_revision(conn: asyncpg.Connection) -> str | None:
     return revision
 
 
-async def migrate(owner_url: str, revision: str = "head", *,
-                  lock_timeout_seconds: float = 10.0) -> tuple[str | None, str]:
+# The advisory lock that serialises migrations (pg_advisory_xact_lock's bigint): "exports migrate".
+MIGRATION_LOCK_KEY = int.from_bytes(b"xmigrate", "big") & 0x7FFF_FFFF_FFFF_FFFF
+# How long a migration waits for another to finish before it gives up (MigrationLocked; run it again).
+MIGRATION_WAIT_SECONDS = 300
+
+
+async def migrate(owner_url: str, revision: str = "head", *, lock_timeout_seconds: float = 10.0,
+                  then: Sequence[str] = ()) -> tuple[str | None, str]:
     """Bring the schema to `revision` (the newest by default), up or down, as the owner role, in one transaction;
     returns (the revision before, the revision now). Safe to run again: Alembic skips what is applied. A target
     this release does not know, or a database that a newer release migrated, is UnknownRevision, before any
     change. Each lock is waited for at most `lock_timeout_seconds`, then MigrationLocked: a DDL statement queued
-    behind a long transaction would hold every worker's statement on that table behind it, for as long."""
+    behind a long transaction would hold every worker's statement on that table behind it, for as long.
+    `then`: statements run after the migration in its transaction (the worker's grants), so that they too are
+    run by one migration at a time (concurrent GRANTs on one object fail: "tuple concurrently updated")."""
     target = resolve_revision(revision)
     # No statement bound: a migration's DDL may rightly run long; its lock waits have lock_timeout_seconds.
     engine = make_engine(owner_url, pool_size=1, max_overflow=0, bounds=replace(Bounds.defaults(),
                                                                                   statement_seconds=None))
 
     def run(sync_conn: Connection) -> str | None:
+        # One migration at a time (every worker pod runs one as it starts): the others wait here, without holding
+        # anything another session waits for, then find nothing to apply. Without it, two at once collided on
+        # the same DDL and the later failed.
+        sync_conn.exec_driver_sql(f"SET LOCAL lock_timeout = {int(MIGRATION_WAIT_SECONDS * 1000)}")
+        sync_conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_KEY})")
         sync_conn.exec_driver_sql(f"SET LOCAL lock_timeout = {int(lock_timeout_seconds * 1000)}")
         current = MigrationContext.configure(sync_conn).get_current_revision()
         if current is not None and current not in known_revisions():
@@ -317,6 +331,8 @@ async def migrate(owner_url: str, revision: str = "head", *,
         async with engine.begin() as conn:
             before = await conn.run_sync(run)
             await conn.exec_driver_sql(GRANT_REVISION_READ)
+            for statement in then:
+                await conn.exec_driver_sql(statement)
     except Exception as exc:
         if errors.is_lock_timeout(exc):
             raise MigrationLocked(f"the migration waited {lock_timeout_seconds:g} s for a lock that another session "

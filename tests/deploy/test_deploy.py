@@ -206,7 +206,12 @@ def test_compose_stack_has_what_the_project_needs():
 # --- Kubernetes ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("manifest", check.manifest_files(ROOT / "deploy" / "k8s"), ids=lambda p: p.name)
+K8S = ROOT / "deploy" / "k8s"
+# The base's manifests and the monitoring component's (whose ServiceMonitor the schema check leaves to its own).
+K8S_MANIFESTS = check.manifest_files(K8S) + check.manifest_files(K8S / "monitoring")
+
+
+@pytest.mark.parametrize("manifest", K8S_MANIFESTS, ids=lambda p: p.relative_to(K8S).as_posix())
 def test_manifest_validates_against_the_kubernetes_schemas(manifest: Path):
     assert check.manifest_problems(manifest) == []
 
@@ -233,6 +238,14 @@ def test_manifest_check_reports_a_wrong_type_and_an_unknown_kind(deploy_copy: Pa
     assert problems[0].startswith("Widget/w: Couldn't find schema"), problems
 
 
+def test_manifest_check_leaves_the_service_monitor_to_its_own_check(deploy_copy: Path):
+    manifest = deploy_copy / "k8s" / "monitoring" / "worker-servicemonitor.yaml"
+    _edit_yaml(manifest, lambda d: d["spec"].update(endpoints="not a list"))
+    assert check.manifest_problems(manifest, versions=["1.30"]) == []
+    assert check.service_monitor_problems(manifest.parent, deploy_copy / "k8s") == [
+        "ServiceMonitor/exports-worker: no endpoints"]
+
+
 def test_hardening_passes_on_the_base():
     assert check.hardening_problems(ROOT / "deploy" / "k8s") == []
 
@@ -253,6 +266,15 @@ def test_hardening_reports_a_writable_root_and_a_stray_database_url(deploy_copy:
 
 def test_kustomization_names_exactly_the_manifests():
     assert check.kustomization_problems(ROOT / "deploy" / "k8s" / "kustomization.yaml") == []
+    assert check.kustomization_problems(ROOT / "deploy" / "k8s" / "monitoring" / "kustomization.yaml") == []
+
+
+def test_kustomization_check_reads_the_monitoring_component(deploy_copy: Path):
+    monitoring = deploy_copy / "k8s" / "monitoring"
+    (monitoring / "worker-servicemonitor.yaml").rename(monitoring / "servicemonitor.yaml")
+    assert check.kustomization_problems(monitoring / "kustomization.yaml") == [
+        "resources: worker-servicemonitor.yaml does not exist",
+        "servicemonitor.yaml is not named in kustomization.yaml"]
 
 
 def test_kustomization_check_reports_a_missing_and_an_unlisted_file(deploy_copy: Path):
@@ -280,6 +302,168 @@ def test_worker_deployment_has_what_the_project_needs():
     variables = {v["name"] for v in worker["env"]}
     assert {"EXPORTS_DATABASE_URL", "EXPORTS_DISPATCHER_DATABASE_URL"} <= variables
     assert not {"EXPORTS_OWNER_DATABASE_URL", "EXPORTS_RECONCILIATION_DATABASE_URL"} & variables
+    [migrate] = pod["initContainers"]
+    assert migrate["command"] == ["exports", "migrate"]
+    assert {v["name"] for v in migrate["env"]} == {"EXPORTS_OWNER_DATABASE_URL"}
+    assert volumes[{m["mountPath"]: m["name"] for m in migrate["volumeMounts"]}["/tmp"]]["emptyDir"]
+    assert not (ROOT / "deploy" / "k8s" / "migrate-job.yaml").exists()  # its immutable template broke upgrades
+
+
+# --- the migration before the worker ------------------------------------------------------------------------
+
+def _pod(document):
+    return document["spec"]["template"]["spec"]
+
+
+def _migrate(document):
+    return _pod(document)["initContainers"][0]
+
+
+def test_migration_runs_before_the_worker():
+    assert check.migration_order_problems(ROOT / "deploy" / "k8s") == []
+
+
+def test_migration_check_reports_a_migration_beside_the_worker(deploy_copy: Path):
+    manifest = deploy_copy / "k8s" / "worker-deployment.yaml"
+    _edit_yaml(manifest, lambda d: _migrate(d).update(restartPolicy="Always"))
+    assert check.migration_order_problems(deploy_copy / "k8s") == [
+        "Deployment/exports-worker: init container migrate is a sidecar (restartPolicy Always): it runs beside "
+        "the worker, not before"]
+
+    def move_to_containers(document):
+        _pod(document)["containers"].append(_pod(document).pop("initContainers")[0])
+
+    _edit_yaml(manifest, move_to_containers)
+    assert check.migration_order_problems(deploy_copy / "k8s") == [
+        "Deployment/exports-worker: no init container runs `exports migrate`: a new worker may start on an older "
+        "schema",
+        "Deployment/exports-worker container migrate: gets the owner's URL (the variable "
+        "EXPORTS_OWNER_DATABASE_URL); only the migration may"]
+
+
+def test_migration_check_reports_the_owner_url_elsewhere(deploy_copy: Path):
+    k8s = deploy_copy / "k8s"
+
+    def edit(document):
+        _migrate(document)["env"][0]["valueFrom"]["secretKeyRef"]["optional"] = True
+        _worker(document)["envFrom"].append({"secretRef": {"name": "exports-db-owner"}})
+        _pod(document)["volumes"].append({"name": "owner", "secret": {"secretName": "exports-db-owner"}})
+
+    _edit_yaml(k8s / "worker-deployment.yaml", edit)
+    # The Job the init container replaced, applied again from an old copy.
+    job = yaml.safe_load((k8s / "schedules-job.yaml").read_text())
+    job["metadata"]["name"] = "exports-migrate"
+    _worker(job).update(command=["exports", "migrate"], env=[
+        {"name": "EXPORTS_OWNER_DATABASE_URL",
+         "valueFrom": {"secretKeyRef": {"name": "exports-db-owner", "key": "url"}}}])
+    (k8s / "migrate-job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
+    assert check.migration_order_problems(k8s) == [
+        "Deployment/exports-worker: init container migrate: EXPORTS_OWNER_DATABASE_URL is not taken from Secret "
+        "exports-db-owner key url (required)",
+        "Job/exports-migrate container schedules: gets the owner's URL (the variable EXPORTS_OWNER_DATABASE_URL); "
+        "only the migration may",
+        "Deployment/exports-worker: volume owner holds Secret exports-db-owner",
+        "Deployment/exports-worker container worker: gets the owner's URL (Secret exports-db-owner by envFrom); "
+        "only the migration may"]
+
+
+# --- spreading the workers ----------------------------------------------------------------------------------
+
+
+def test_workers_spread_over_nodes_and_zones():
+    assert check.spread_problems(ROOT / "deploy" / "k8s") == []
+    document = yaml.safe_load((ROOT / "deploy" / "k8s" / "worker-deployment.yaml").read_text())
+    constraints = {c["topologyKey"]: c for c in _pod(document)["topologySpreadConstraints"]}
+    assert set(constraints) == {"kubernetes.io/hostname", "topology.kubernetes.io/zone"}
+    assert {(c["maxSkew"], c["whenUnsatisfiable"]) for c in constraints.values()} == {(1, "ScheduleAnyway")}
+
+
+def test_spread_check_reports_no_hostname_spread_and_a_selector_of_other_pods(deploy_copy: Path):
+    manifest = deploy_copy / "k8s" / "worker-deployment.yaml"
+
+    def edit(document):
+        constraints = _pod(document)["topologySpreadConstraints"]
+        constraints[:] = [c for c in constraints if c["topologyKey"] != "kubernetes.io/hostname"]
+        constraints[0]["labelSelector"] = {"matchLabels": {"app.kubernetes.io/name": "exports-schedules"}}
+
+    _edit_yaml(manifest, edit)
+    assert check.spread_problems(deploy_copy / "k8s") == [
+        "Deployment/exports-worker: no topology spread over kubernetes.io/hostname: every replica may land on one "
+        "node",
+        "Deployment/exports-worker: the spread over topology.kubernetes.io/zone selects {'matchLabels': "
+        "{'app.kubernetes.io/name': 'exports-schedules'}}, not the pod template's labels "
+        "{'app.kubernetes.io/name': 'exports-worker'}"]
+    _edit_yaml(manifest, lambda d: _pod(d).pop("topologySpreadConstraints"))
+    assert check.spread_problems(deploy_copy / "k8s") == [
+        "Deployment/exports-worker: no topology spread over kubernetes.io/hostname: every replica may land on one "
+        "node"]
+
+
+@pytest.mark.parametrize("selector, selected", [
+    ({"matchLabels": {"app": "w"}}, True),
+    ({"matchLabels": {"app": "w", "tier": "x"}}, False),
+    ({"matchExpressions": [{"key": "app", "operator": "In", "values": ["w", "v"]}]}, True),
+    ({"matchExpressions": [{"key": "app", "operator": "NotIn", "values": ["w"]}]}, False),
+    ({"matchExpressions": [{"key": "tier", "operator": "DoesNotExist"}]}, True),
+    ({"matchExpressions": [{"key": "tier", "operator": "Exists"}]}, False),
+    ({}, True),
+    (None, False),
+])
+def test_selector_matches(selector, selected: bool):
+    assert check.selector_matches(selector, {"app": "w"}) is selected
+
+
+# --- the Service and the ServiceMonitor ---------------------------------------------------------------------
+
+
+def test_service_selects_the_workers_and_their_metrics_port():
+    assert check.service_problems(ROOT / "deploy" / "k8s") == []
+    service = yaml.safe_load((ROOT / "deploy" / "k8s" / "worker-service.yaml").read_text())
+    settings = yaml.safe_load((ROOT / "deploy" / "k8s" / "configmap.yaml").read_text())["data"]
+    assert [(p["name"], p["port"]) for p in service["spec"]["ports"]] == [
+        ("metrics", int(settings["EXPORTS_HTTP_PORT"]))]
+
+
+def test_service_check_reports_a_port_naming_nothing_and_a_selector_of_no_pod(deploy_copy: Path):
+    manifest = deploy_copy / "k8s" / "worker-service.yaml"
+    _edit_yaml(manifest, lambda d: d["spec"]["ports"].append({"port": 7233, "targetPort": "sdk-metrics"}))
+    assert check.service_problems(deploy_copy / "k8s") == [
+        "Service/exports-worker: port 7233 has no name (a ServiceMonitor names its port)",
+        "Service/exports-worker: port 7233 targets sdk-metrics, which no container of Deployment/exports-worker "
+        "declares"]
+    _edit_yaml(manifest, lambda d: d["spec"].update(selector={"app.kubernetes.io/name": "exports-workers"}))
+    assert check.service_problems(deploy_copy / "k8s") == [
+        "Service/exports-worker: selects {'app.kubernetes.io/name': 'exports-workers'}, which no pod template of "
+        "the base carries",
+        "Service/exports-worker: port 7233 has no name (a ServiceMonitor names its port)",
+        "no Service selects the pods of Deployment/exports-worker: Prometheus finds no worker"]
+
+
+def test_service_check_reports_a_numeric_target_no_container_declares(deploy_copy: Path):
+    _edit_yaml(deploy_copy / "k8s" / "worker-service.yaml",
+               lambda d: d["spec"]["ports"][0].update(targetPort=9464))
+    assert check.service_problems(deploy_copy / "k8s") == [
+        "Service/exports-worker: port metrics targets 9464, which no container of Deployment/exports-worker "
+        "declares"]
+
+
+def test_service_monitor_scrapes_the_service_port():
+    assert check.service_monitor_problems(ROOT / "deploy" / "k8s" / "monitoring", ROOT / "deploy" / "k8s") == []
+
+
+def test_service_monitor_check_reports_a_port_the_service_lacks_and_a_selector_of_no_service(deploy_copy: Path):
+    k8s = deploy_copy / "k8s"
+    manifest = k8s / "monitoring" / "worker-servicemonitor.yaml"
+    # `http` is the container's port name: a ServiceMonitor's `port` names the Service's port.
+    _edit_yaml(manifest, lambda d: d["spec"]["endpoints"][0].update(port="http"))
+    assert check.service_monitor_problems(k8s / "monitoring", k8s) == [
+        "ServiceMonitor/exports-worker: endpoint 0 names port http, which Service/exports-worker lacks"]
+    _edit_yaml(manifest, lambda d: d["spec"].update(selector={"matchLabels": {"app": "exports-worker"}}))
+    assert check.service_monitor_problems(k8s / "monitoring", k8s) == [
+        "ServiceMonitor/exports-worker: selects {'matchLabels': {'app': 'exports-worker'}}, which no Service of "
+        "the base carries"]
+    manifest.unlink()
+    assert check.service_monitor_problems(k8s / "monitoring", k8s) == ["no ServiceMonitor in monitoring/"]
 
 
 # --- the shutdown bound -------------------------------------------------------------------------------------

@@ -39,3 +39,37 @@ async def test_a_destination_contract_names_only_known_hash_evidence(db):
         await db.admin.execute("UPDATE destinations SET hash_evidence = 'md5' WHERE id = $1", destination_id)
     assert await db.admin.fetchval("SELECT hash_evidence FROM destinations WHERE id = $1",
                                    destination_id) == "check_file"
+
+
+async def test_pods_that_migrate_at_once_all_succeed_and_the_schema_is_migrated_once(pg_server, tmp_path):
+    """Each worker pod runs `exports migrate` as an init container, so a first apply or a scale-up migrates from
+    several pods at the same moment: one migrates, the others wait for it and find nothing to apply."""
+    import asyncio
+    import os
+    import uuid
+
+    import asyncpg
+
+    from store.db import asyncpg_dsn
+    from tests.helpers.support import EXPORTS
+
+    name = f"exports_concurrent_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(asyncpg_dsn(pg_server.url("owner")))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("EXPORTS_")},
+           "EXPORTS_OWNER_DATABASE_URL": pg_server.url("owner", name)}
+    try:
+        await admin.execute(f"CREATE DATABASE {name}")
+        pods = [await asyncio.create_subprocess_exec(str(EXPORTS), "migrate", env=env, cwd=tmp_path,
+                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+                for _ in range(4)]
+        ends = await asyncio.wait_for(asyncio.gather(*(pod.communicate() for pod in pods)), 120)
+        codes = [pod.returncode for pod in pods]
+        assert codes == [0, 0, 0, 0], [(code, err.decode()[-600:]) for code, (_, err) in zip(codes, ends, strict=True)]
+        db = await asyncpg.connect(asyncpg_dsn(pg_server.url("owner", name)))
+        try:
+            assert await db.fetchval("SELECT version_num FROM alembic_version") == "0012"
+        finally:
+            await db.close()
+    finally:
+        await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        await admin.close()
