@@ -105,7 +105,8 @@ async def running_worker(
     activities = ExportActivities(store, settings, worker_id=worker_id, worker_task_queue=own_queue)
     activities.checkpoints = checkpoints_for(settings.hold_at, Path(settings.work_dir))
     recovery = RecoveryActivities(
-        store, Recovery(engine, max_attempts=settings.max_attempts, on_ended=metrics.ended), client=client,
+        store, Recovery(engine, max_attempts=settings.max_attempts, max_hand_backs=settings.max_hand_backs,
+                        on_ended=metrics.ended), client=client,
         view_window_seconds=settings.recovery_view_window_seconds)
     # The SDK sends a step's heartbeats at most this often whatever the step asks: at the lease's cadence (LD6).
     throttle = timedelta(seconds=settings.heartbeat_seconds)

@@ -163,6 +163,8 @@ class Candidate(BaseModel):
     status: Status
     stop_request_id: UUID | None = None
     attempt_count: int
+    # Added in 0.3.0 (migration 0013): a candidate scheduled by an earlier release's run has none.
+    handed_back_count: int = 0
 
 
 class TakeoverOutput(BaseModel):

@@ -125,7 +125,8 @@ class RecoveryActivities:
         found = await self.recovery.nominate(request.limit)
         await self._wake_runs_closed_early(limit=request.limit)
         return [Candidate(job_id=c.job_id, attempt_id=c.attempt_id, status=c.status,
-                          stop_request_id=c.stop_request_id, attempt_count=c.attempt_count) for c in found]
+                          stop_request_id=c.stop_request_id, attempt_count=c.attempt_count,
+                          handed_back_count=c.handed_back_count) for c in found]
 
     async def _wake_runs_closed_early(self, *, limit: int) -> None:
         """Exports whose latest run closed showing a state the row has not settled in (Queued, Running,

@@ -40,19 +40,22 @@ class Candidate:
     status: Status
     stop_request_id: UUID | None
     attempt_count: int
+    handed_back_count: int = 0
 
 
 class Recovery(RoleStore):
     """The scheduled backstops: recovery's takeovers and the sweeper. They run as the application role
     (EXPORTS_DATABASE_URL), on the worker's engine."""
 
-    def __init__(self, engine: AsyncEngine, *, max_attempts: int,
+    def __init__(self, engine: AsyncEngine, *, max_attempts: int, max_hand_backs: int = 10,
                  on_ended: Callable[[Status], None] = lambda status: None) -> None:
-        """`on_ended` hears every settled state a takeover wrote, as JobStore's does for the attempts' own."""
-        if max_attempts < 1:
-            raise ValueError("max_attempts must be at least 1")
+        """`on_ended` hears every settled state a takeover wrote, as JobStore's does for the attempts' own.
+        `max_attempts` caps the attempts lost (not handed back by their worker), `max_hand_backs` the others."""
+        if max_attempts < 1 or max_hand_backs < 1:
+            raise ValueError("max_attempts and max_hand_backs must be at least 1")
         super().__init__(engine)
         self.max_attempts = max_attempts
+        self.max_hand_backs = max_hand_backs
         self.on_ended = on_ended
 
     async def nominate(self, limit: int) -> list[Candidate]:
@@ -65,6 +68,7 @@ class Recovery(RoleStore):
                 status=Status(row["status"]),
                 stop_request_id=row["stop_request_id"],
                 attempt_count=row["attempt_count"],
+                handed_back_count=row["handed_back_count"],
             )
             for row in rows
         ]
@@ -74,7 +78,8 @@ class Recovery(RoleStore):
         The statement's row count is the outbox insert's, which is one exactly when the update and its event
         happened."""
         return await self._takeover(
-            "recovery_requeue", None, job_id=job_id, expired_attempt_id=attempt_id, max_attempts=self.max_attempts
+            "recovery_requeue", None, job_id=job_id, expired_attempt_id=attempt_id, max_attempts=self.max_attempts,
+            max_hand_backs=self.max_hand_backs,
         )
 
     async def stop(self, job_id: UUID, attempt_id: UUID, recovery_run_id: str | UUID) -> bool:
@@ -87,13 +92,14 @@ class Recovery(RoleStore):
         )
 
     async def exhaust(self, job_id: UUID, attempt_id: UUID, recovery_run_id: str | UUID) -> bool:
-        """Running (or Delivering, its rename fence open) at the attempt cap -> Failed/AttemptsExhausted, with its
+        """Running (or Delivering, its rename fence open) at either cap -> Failed/AttemptsExhausted, with its
         event."""
         return await self._takeover(
             "recovery_exhausted", Status.FAILED,
             job_id=job_id,
             expired_attempt_id=attempt_id,
             max_attempts=self.max_attempts,
+            max_hand_backs=self.max_hand_backs,
             recovery_run_id=str(recovery_run_id),
         )
 
@@ -144,7 +150,7 @@ class Recovery(RoleStore):
     async def _take_back(self, candidate: Candidate, recovery_run_id: str | UUID) -> str | None:
         if candidate.stop_request_id is not None:
             kind, done = STOPPED, await self.stop(candidate.job_id, candidate.attempt_id, recovery_run_id)
-        elif candidate.attempt_count >= self.max_attempts:
+        elif self._at_a_cap(candidate):
             kind, done = (
                 EXHAUSTED,
                 await self.exhaust(candidate.job_id, candidate.attempt_id, recovery_run_id),
@@ -167,6 +173,12 @@ class Recovery(RoleStore):
             kind,
         )
         return kind
+
+    def _at_a_cap(self, candidate: Candidate) -> bool:
+        """The scan's guess at which takeover applies: recovery_exhausted.sql's condition, which decides (a guess
+        from a stale scan makes its statement match nothing, and the next run chooses again)."""
+        lost = candidate.attempt_count - candidate.handed_back_count
+        return lost >= self.max_attempts or candidate.handed_back_count >= self.max_hand_backs
 
     async def _takeover(self, name: str, settles: Status | None, **params: Any) -> bool:
         """One takeover statement; `settles` is the state it writes when that state ends the export."""

@@ -80,6 +80,8 @@ export_jobs = Table(
     Column("rejection_reason", Text),
     Column("final_name", Text, nullable=False),
     Column("rename_fence", Text),  # migration 0010: NULL, open (at cutoff 2) or passed (right before the rename)
+    # migration 0013: attempts handed back by their worker before the rename (they do not count toward the cap)
+    Column("handed_back_count", Integer, nullable=False),
 )
 
 deliveries = Table(

@@ -1,13 +1,15 @@
--- An expired attempt that has used up its attempts fails, so a job that kills its worker every time is not
--- requeued forever: a Running one, or a Delivering original whose rename fence is still open (as in
--- recovery_requeue.sql).
+-- An expired attempt that has used up its attempts fails, so a job that kills its worker every time (or whose
+-- partner drops every upload, each attempt handed back) is not requeued forever: a Running one, or a Delivering
+-- original whose rename fence is still open (as in recovery_requeue.sql).
 WITH exhausted AS (
     UPDATE export_jobs
     SET status = 'Failed', failure_reason = 'AttemptsExhausted', lease_expires_at = NULL
     WHERE id = :job_id AND attempt_id = :expired_attempt_id
       AND (status = 'Running'
            OR (status = 'Delivering' AND rename_fence = 'open' AND replaces_job_id IS NULL))
-      AND stop_request_id IS NULL AND attempt_count >= :max_attempts
+      -- At either cap (recovery_requeue.sql's conditions, negated): the attempts lost, or the hand-backs.
+      AND stop_request_id IS NULL
+      AND (attempt_count - handed_back_count >= :max_attempts OR handed_back_count >= :max_hand_backs)
       AND lease_expires_at < clock_timestamp()
     RETURNING id, attempt_id),
 event AS (

@@ -783,7 +783,8 @@ ENDS = {"Q": {Status.QUEUED}, "S": {Status.STOPPED}, "F": {Status.FAILED}, "E": 
         Status.OUTCOME_UNKNOWN}, "R": {Status.COMPLETED, Status.FAILED}, "X": {Status.COMPLETED, Status.FAILED}}
 
 
-def sequence_problems(events: list[dict[str, Any]], row: dict[str, Any], max_attempts: int) -> list[str]:
+def sequence_problems(events: list[dict[str, Any]], row: dict[str, Any], max_attempts: int,
+                      max_hand_backs: int = 10) -> list[str]:
     """What is wrong with an export's events as a history of its attempts: each attempt's sequence is one the
     statements can write, every attempt but the row's current one was requeued, the last one ends in the row's
     status, and no more attempts than the cap."""
@@ -808,9 +809,13 @@ def sequence_problems(events: list[dict[str, Any]], row: dict[str, Any], max_att
         problems.append(f"the row is {status} but its attempt's events are {attempts.get(current)}")
     if current is None and status not in (Status.CANCELED, Status.REJECTED, Status.QUEUED):
         problems.append(f"the row is {status} without an attempt")
-    if len(attempts) > max_attempts or len(attempts) != row["attempt_count"]:
+    # The cap counts the attempts lost; those their worker handed back before the rename have a cap of their own.
+    handed_back = row.get("handed_back_count", 0)
+    if len(attempts) > max_attempts + handed_back or len(attempts) != row["attempt_count"]:
         problems.append(f"{len(attempts)} attempts with events, the row counts {row['attempt_count']} "
-                        f"(cap {max_attempts})")
+                        f"(cap {max_attempts}, and {handed_back} handed back)")
+    if handed_back > max_hand_backs:
+        problems.append(f"{handed_back} attempts handed back, over the cap of {max_hand_backs}")
     return problems
 
 
@@ -878,7 +883,7 @@ async def check_invariants(c: Chaos) -> tuple[list[Violation], list[str], dict[s
         if not status.is_settled:
             ev(job_id, "settled", f"still {status}")
 
-        for problem in sequence_problems(evts, row, c.h.settings.max_attempts):
+        for problem in sequence_problems(evts, row, c.h.settings.max_attempts, c.h.settings.max_hand_backs):
             ev(job_id, "attempts", problem)
 
         # Never a second rename (an attempt taken back may have uploaded to its temporary name); one terminal per
@@ -1288,6 +1293,10 @@ def test_the_event_sequence_check_refuses_what_no_statement_writes():
     assert sequence_problems(history((first, "CBQ"), (second, "CBBAER")), row(Status.COMPLETED, second, 2), 3) == []
     assert sequence_problems(history((first, "CBS")), row(Status.STOPPED, first, 1), 3) == []
     assert sequence_problems(history((first, "CQ")), row(Status.CANCELED, None, 1), 3) == []
+    # Over the cap of lost attempts only by attempts their worker handed back: within it; hand-backs have their own.
+    four = history(*((uuid.uuid4(), "CBAQ") for _ in range(4)))
+    assert sequence_problems(four, {**row(Status.QUEUED, None, 4), "handed_back_count": 1}, 3) == []
+    assert sequence_problems(four, {**row(Status.QUEUED, None, 4), "handed_back_count": 4}, 3, 3)
     for events, final, why in (
         (history((first, "CBAEA")), row(Status.COMPLETED, first, 1), "authorized twice"),
         (history((first, "CAE")), row(Status.COMPLETED, first, 1), "authorized without a build"),

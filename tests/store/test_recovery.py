@@ -66,7 +66,8 @@ async def held(engine: AsyncEngine, name: str, **params: object) -> AsyncIterato
 
 
 async def blocked_by(db, blocker_pid: int, marker: str) -> int:
-    """The backend running a statement containing `marker` that waits on `blocker_pid`'s locks."""
+    """The backend running a statement containing `marker` that waits on `blocker_pid`'s locks. pg_stat_activity
+    keeps a statement's first 1 kB (track_activity_query_size): a marker from its first lines."""
     return await eventually(
         lambda: db.admin.fetchval(
             "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid)) AND query LIKE $2",
@@ -194,7 +195,7 @@ async def test_authorization_holding_the_row_makes_the_requeue_wait_then_match_n
         await eventually(lambda: lease_current(db, job.id), lambda current: current is False, timeout=WAIT,
                          what="lease expiry")
         requeue = asyncio.create_task(recovery.requeue(job.id, attempt_id))
-        await blocked_by(db, pid, "RequeuedByRecovery")
+        await blocked_by(db, pid, "WITH requeued AS")
         await conn.commit()
     assert await asyncio.wait_for(requeue, WAIT) is False
     row = await store.read_job(job.id)
@@ -212,7 +213,7 @@ async def test_requeue_holding_the_row_makes_the_renewal_wait_then_match_nothing
     job, attempt_id = await running(store, tenant)
     await expire(db, job.id)
     async with held(app_engine, "recovery_requeue", job_id=job.id, expired_attempt_id=attempt_id,
-                    max_attempts=3) as (conn, pid):
+                    max_attempts=3, max_hand_backs=10) as (conn, pid):
         renew = asyncio.create_task(store.renew_lease(job.id, attempt_id))
         await blocked_by(db, pid, "lease_expires_at = clock_timestamp() + make_interval")
         await conn.commit()
@@ -257,7 +258,7 @@ async def test_uncommitted_renewal_makes_the_takeover_wait_and_reevaluate(db, st
     async with held(app_engine, "renew_lease", job_id=job.id, attempt_id=attempt_id, holder=None,
                     lease_seconds=5.0) as (conn, pid):
         takeover = asyncio.create_task(recovery.take_over_running(candidate, RUN))
-        await blocked_by(db, pid, "RequeuedByRecovery")
+        await blocked_by(db, pid, "WITH requeued AS")
         await conn.commit()
     assert await asyncio.wait_for(takeover, WAIT) is None
     row = await store.read_job(job.id)
@@ -481,7 +482,7 @@ async def test_the_fence_and_the_take_back_wait_for_each_other_and_one_wins(db, 
     await expire(db, job.id)
     async with held(app_engine, "pass_rename_fence", **fence_params(job, attempt_id)) as (conn, pid):
         requeue = asyncio.create_task(recovery.requeue(job.id, attempt_id))
-        await blocked_by(db, pid, "RequeuedByRecovery")
+        await blocked_by(db, pid, "WITH requeued AS")
         await conn.commit()
     assert await asyncio.wait_for(requeue, WAIT) is False
     assert (await store.read_job(job.id)).status is Status.DELIVERING and await fence(db, job.id) == "passed"
@@ -489,7 +490,7 @@ async def test_the_fence_and_the_take_back_wait_for_each_other_and_one_wins(db, 
     other, other_attempt = await delivering(store, tenant)
     await expire(db, other.id)
     async with held(app_engine, "recovery_requeue", job_id=other.id, expired_attempt_id=other_attempt,
-                    max_attempts=3) as (conn, pid):
+                    max_attempts=3, max_hand_backs=10) as (conn, pid):
         passing = asyncio.create_task(store.pass_rename_fence(other.id, other_attempt, None, "worker-b/test",
                                                               {"step": "rename"}))
         await blocked_by(db, pid, "rename_fence = 'passed'")

@@ -205,3 +205,6 @@ class JobRow(BaseModel):
     # The attempt's rename fence (migration 0010): open from cutoff 2, passed right before its rename; None before
     # cutoff 2, after a take-back, and for an attempt authorized by 0.2.0 or recorded before the column existed.
     rename_fence: str | None = None
+    # How many of its attempts their own worker handed back before the rename (migration 0013): they are not counted
+    # toward the attempt cap, and have a cap of their own. 0 in a row recorded before the column existed.
+    handed_back_count: int = 0
