@@ -28,6 +28,7 @@ from workflows.export_display import Display
 from workflows.export_state import SHORT_STEP, RunState, cause
 
 with workflow.unsafe.imports_passed_through():
+    from exports_client.contracts import validation_problems
     from pydantic import ValidationError
 
     from activities.contracts import (
@@ -456,9 +457,8 @@ def _validated_start(payload: Any) -> ExportInput:
     try:
         request = ExportInput.model_validate(payload)
     except ValidationError as exc:
-        problem = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'input'}: {e['msg']}" for e in exc.errors())
-        raise ApplicationError(f"invalid start input, nothing written: {problem}", type=INVALID_EXPORT_INPUT,
-                               non_retryable=True) from None
+        raise ApplicationError(f"invalid start input, nothing written: {validation_problems(exc, 'input')}",
+                               type=INVALID_EXPORT_INPUT, non_retryable=True) from None
     expected = export_workflow_id(request.job_id)
     if workflow.info().workflow_id != expected:
         raise ApplicationError(f"an export's workflow ID must be {expected!r}, not {workflow.info().workflow_id!r}; "

@@ -24,6 +24,7 @@ from workflows.export_display import Display
 from workflows.export_state import SHORT_STEP, RunState, cause
 
 with workflow.unsafe.imports_passed_through():
+    from exports_client.contracts import validation_problems
     from pydantic import ValidationError
 
     from activities.contracts import (
@@ -76,7 +77,7 @@ class Cancellations:
         try:
             request = CancelRequest.model_validate(payload)
         except ValidationError as exc:
-            problem = _problem(exc)
+            problem = validation_problems(exc, "payload")
             self._display.reject(f"cancel rejected, nothing recorded: {problem}")
             workflow.logger.warning("cancel signal rejected, nothing recorded: %s", problem)
             return
@@ -217,9 +218,5 @@ def _parse_update(payload: Any) -> CancelRequest:
     try:
         return CancelRequest.model_validate(payload)
     except ValidationError as exc:
-        raise ApplicationError(f"cancel refused, nothing recorded: {_problem(exc)}", type="InvalidCancelRequest",
-                               non_retryable=True) from None
-
-
-def _problem(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'payload'}: {e['msg']}" for e in exc.errors())
+        raise ApplicationError(f"cancel refused, nothing recorded: {validation_problems(exc, 'payload')}",
+                               type="InvalidCancelRequest", non_retryable=True) from None

@@ -32,15 +32,11 @@ async def dropping(db, store, client, tmp_path) -> AsyncIterator[Harness]:
                                  max_hand_backs=4)
 
 
-DOWNS: list[asyncio.Task[None]] = []
-
-
-def drop_uploads(h: Harness, times: int | None) -> list[str]:
+def drop_uploads(h: Harness, times: int | None) -> tuple[list[str], list[asyncio.Task[None]]]:
     """The partner drops the first `times` uploads (every one when None) at their first write, and is away for
-    DOWN_SECONDS each time."""
+    DOWN_SECONDS each time: the uploads dropped, and the absences (each ends with the partner back)."""
     drops: list[str] = []
-    downs = DOWNS
-    downs.clear()
+    downs: list[asyncio.Task[None]] = []
 
     async def away_for_a_moment() -> None:
         await h.partner.stop()
@@ -53,16 +49,16 @@ def drop_uploads(h: Harness, times: int | None) -> list[str]:
             downs.append(asyncio.get_running_loop().create_task(away_for_a_moment()))
 
     h.partner.hooks.on_write = on_write
-    return drops
+    return drops, downs
 
 
-async def settle_with_recovery(h: Harness, job_id) -> None:  # type: ignore[no-untyped-def]
+async def settle_with_recovery(h: Harness, job_id, downs: list[asyncio.Task[None]]) -> None:  # type: ignore[no-untyped-def]
     async def settled_after_a_recovery_run() -> Status:
         row = await h.store.read_job(job_id)
         if row.status.is_settled:
             return row.status
         # The partner back first: the next attempt is to meet the next drop at its upload, not a partner away.
-        await asyncio.gather(*DOWNS)
+        await asyncio.gather(*downs)
         await run_recovery(h.client, h.settings)
         return (await h.store.read_job(job_id)).status
 
@@ -73,9 +69,9 @@ async def settle_with_recovery(h: Harness, job_id) -> None:  # type: ignore[no-u
 @pytest.mark.spec("LV8", "RI9")
 async def test_attempts_handed_back_by_a_dropping_partner_do_not_use_up_the_attempts(dropping: Harness):
     h = dropping
-    drops = drop_uploads(h, times=3)  # more than max_attempts (2)
+    drops, downs = drop_uploads(h, times=3)  # more than max_attempts (2)
     job_id = await h.create()
-    await settle_with_recovery(h, job_id)
+    await settle_with_recovery(h, job_id, downs)
     row = await asyncio.wait_for(h.settled(job_id), BOUND)
 
     assert (row.status, row.failure_reason, row.attempt_count) == (Status.COMPLETED, None, 4), row
@@ -88,9 +84,9 @@ async def test_attempts_handed_back_by_a_dropping_partner_do_not_use_up_the_atte
 @pytest.mark.spec("LV8", "RI9")
 async def test_a_partner_that_drops_every_upload_still_ends_the_export_at_the_hand_back_cap(dropping: Harness):
     h = dropping
-    drops = drop_uploads(h, times=None)
+    drops, downs = drop_uploads(h, times=None)
     job_id = await h.create()
-    await settle_with_recovery(h, job_id)
+    await settle_with_recovery(h, job_id, downs)
     row = await asyncio.wait_for(h.settled(job_id), BOUND)
 
     assert (row.status, row.failure_reason) == (Status.FAILED, FailureCode.ATTEMPTS_EXHAUSTED), row

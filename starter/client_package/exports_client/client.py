@@ -17,7 +17,15 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from exports_client.contracts import CancellationResult, CancelRequest, CreateExport, ExportInput, ExportResult, JobRow
+from exports_client.contracts import (
+    CancellationResult,
+    CancelRequest,
+    CreateExport,
+    ExportInput,
+    ExportResult,
+    JobRow,
+    validation_problems,
+)
 from exports_client.identity import export_workflow_id, tenant_priority
 
 WORKFLOW_TYPE = "ExportWorkflow"
@@ -57,10 +65,6 @@ class CancelAnswer:
     request_id: uuid.UUID
     sent_as: Literal["update", "signal"]
     result: CancellationResult | None
-
-
-def _one_sentence(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors())
 
 
 def _uuid(value: str | uuid.UUID, what: str) -> uuid.UUID:
@@ -115,7 +119,7 @@ class ExportsWorkflowClient:
                 delivery_key=delivery_key if delivery_key is not None else uuid.uuid4().hex,
             )
         except ValidationError as exc:
-            raise InvalidRequest(f"export refused, nothing sent: {_one_sentence(exc)}") from None
+            raise InvalidRequest(f"export refused, nothing sent: {validation_problems(exc)}") from None
         await self.client.start_workflow(
             WORKFLOW_TYPE,
             ExportInput(job_id=create.job_id, create=create),
@@ -151,7 +155,7 @@ class ExportsWorkflowClient:
                 reason=reason,
             )
         except ValidationError as exc:
-            raise InvalidRequest(f"cancellation refused, nothing sent: {_one_sentence(exc)}") from None
+            raise InvalidRequest(f"cancellation refused, nothing sent: {validation_problems(exc)}") from None
 
     async def cancel(self, job_id: str | uuid.UUID, *, tenant_id: str | uuid.UUID, requested_by: str,
                      reason: str | None = None, request_id: str | uuid.UUID | None = None) -> CancelAnswer:

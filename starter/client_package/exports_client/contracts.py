@@ -22,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    ValidationError,
     WithJsonSchema,
 )
 
@@ -56,6 +57,12 @@ Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME), AfterValidator(_
 Reason = Annotated[str, Field(max_length=MAX_REASON), AfterValidator(_storable)]
 Text = Annotated[str, Field(min_length=1, max_length=MAX_REASON), AfterValidator(_storable),
                  AfterValidator(_not_blank)]
+
+
+def validation_problems(exc: ValidationError, whole: str = "value") -> str:
+    """Every problem of a payload that did not validate, on one line: `field: message; ...` (`whole` names the
+    payload itself). The client's refusals and the workflow's (a start, a cancel) say it the same way."""
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or whole}: {e['msg']}" for e in exc.errors())
 
 
 def _bytes_from_hex(value: Any) -> Any:
