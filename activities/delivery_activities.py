@@ -81,12 +81,15 @@ class DeliveryActivities(ExportActivitiesBase):
                     result = await self.store.authorize_delivery(job, attempt_id, file, not_after=not_after)
                 if result is AuthorizationResult.UNKNOWN:
                     # The write's answer and its re-read were both lost (a failover, say): the row alone says which
-                    # side of cutoff 2 the attempt is on, so it is asked again, patiently, while the keeper renews,
-                    # rather than leaving an attempt that may be authorized for recovery to take back.
+                    # side of cutoff 2 the attempt is on, so it is asked again, patiently, for as long as the keeper
+                    # holds the lease (until it is lost or lapsing), rather than leaving an attempt that may be
+                    # authorized for recovery to take back. Half a lease was too short for a failover that the
+                    # lease outlives (LV4).
                     result = await retry_patiently(
                         lambda: self.store.authorization_on_record(job.id, attempt_id, file.holder),
-                        retryable=errors.is_transient, patience=self.settings.lease_seconds / 2, first_delay=0.5,
-                        max_delay=2.0, what=f"cutoff 2 of {job.id} attempt {attempt_id}, its answer lost")
+                        retryable=errors.is_transient, patience=self.settings.lease_seconds, first_delay=0.5,
+                        max_delay=2.0, what=f"cutoff 2 of {job.id} attempt {attempt_id}, its answer lost",
+                        give_up=gone)
                 if result is AuthorizationResult.LEASE_LAPSED and not _past(not_after) and await lease.renew_now():
                     # Still the owner, only late: the renewal succeeds only if no takeover committed. Retry once.
                     result = await self.store.authorize_delivery(job, attempt_id, file, not_after=not_after)

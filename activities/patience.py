@@ -4,6 +4,7 @@ again while its error says a later try may succeed (`retry_patiently`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -29,9 +30,10 @@ async def run_to_end(work: Coroutine[Any, Any, T], on_cancel: Callable[[], None]
 
 
 async def retry_patiently(step: Callable[[], Coroutine[Any, Any, T]], *, retryable: Callable[[Exception], bool],
-                          patience: float, first_delay: float, max_delay: float, what: str) -> T:
+                          patience: float, first_delay: float, max_delay: float, what: str,
+                          give_up: asyncio.Event | None = None) -> T:
     """`step` again while its error is `retryable`, one log line a try, backing off from `first_delay` to
-    `max_delay`, for at most `patience` seconds; then its last error."""
+    `max_delay`, for at most `patience` seconds or until `give_up` is set; then its last error."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + patience
     delay = first_delay
@@ -39,8 +41,12 @@ async def retry_patiently(step: Callable[[], Coroutine[Any, Any, T]], *, retryab
         try:
             return await step()
         except Exception as exc:
-            if not retryable(exc) or loop.time() + delay > deadline:
+            if not retryable(exc) or loop.time() + delay > deadline or (give_up is not None and give_up.is_set()):
                 raise
             log.warning("%s: %s; trying again in %.1f s", what, errors.describe(exc), delay)
-        await asyncio.sleep(delay)
+        if give_up is None:
+            await asyncio.sleep(delay)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(give_up.wait(), delay)
         delay = min(delay * 2, max_delay)

@@ -182,7 +182,9 @@ class Database:
             async with asyncio.timeout(self.reread_timeout_seconds):
                 row = await self.row(reread.name, **reread.params)
         except Exception as exc:
-            if not errors.is_uncertain(exc):  # a timeout is uncertain too
+            # Unanswered, the write still uncertain: a lost or timed-out re-read, and one that found no host as the
+            # URL asks (a failover under way, no primary yet): raising that as definite failed a committed cutoff 2.
+            if not errors.is_transient(exc):
                 raise
             return Written(count, unanswered=exc)
         return Written(count, row=row)

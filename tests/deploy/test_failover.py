@@ -137,8 +137,10 @@ async def test_a_silent_old_primary_named_first__each_connection_reaches_the_pro
 @pytest.mark.spec("PT6", "PT5")
 async def test_a_clean_failover_during_uploads__every_export_settles_once_without_a_restart(cluster, client,
                                                                                            tmp_path):
+    # No recovery runs here: the worker alone must carry every attempt across the switch, and each must keep its
+    # single attempt (asserted below), so the lease is longer than a failover takes on a loaded machine.
     async with failover_db(cluster) as (db, store), \
-            crash_world(db, store, client, tmp_path, lease_seconds=5.0, upload_throttle_bytes_per_second=20_000,
+            crash_world(db, store, client, tmp_path, lease_seconds=15.0, upload_throttle_bytes_per_second=20_000,
                         database_connect_timeout_seconds=CONNECT) as h, processes(h) as started:
         worker = await start_worker(started, h)
         in_flight = await uploads_under_way(h)
@@ -148,11 +150,14 @@ async def test_a_clean_failover_during_uploads__every_export_settles_once_withou
         after = await created_on_new_primary(h)
         rows = {job_id: await asyncio.wait_for(h.settled(job_id), timeout=BOUND) for job_id in [*in_flight, after]}
         assert worker.process is not None and worker.process.returncode is None  # never restarted
+        attempts = await db.admin.fetch("SELECT job_id, count(*) AS n FROM export_attempt_events "
+                                        "WHERE kind = 'Claimed' GROUP BY job_id")
 
     for row in rows.values():
         assert row.status is Status.COMPLETED, row
         assert_partner_holds(h.partner, row)
     assert len(list((h.partner.root / "outbound").iterdir())) == len(rows)  # each delivered once
+    assert {a["job_id"]: a["n"] for a in attempts} == {job_id: 1 for job_id in rows}  # one attempt each
 
 
 @pytest.mark.spec("PT6", "PT5")

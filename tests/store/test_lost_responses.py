@@ -135,6 +135,88 @@ async def test_cutoff_2_response_lost_after_commit__reread_finds_it_authorized(
     assert await kinds_and_attempts(db, job_id) == [("Claimed", attempt_id), ("DeliveryAuthorized", attempt_id)]
 
 
+@pytest.mark.spec("LR2", "LV4")
+async def test_cutoff_2_answer_lost_through_an_outage_the_lease_outlives__authorized_once_the_database_is_back(
+    db, store, proxy, tmp_path
+):
+    """Cutoff 2 commits and its answer is lost at the moment a failover begins; the database takes longer than half
+    a lease to come back, but less than the lease. The attempt still holds its row (its keeper renews it once the
+    database is back), so it asks the row again for as long as the lease holds and delivers; it used to give up
+    after half a lease, leaving an authorized attempt that no one uploads for recovery to take back (seen in CI's
+    failover run, where no recovery runs and the export stayed Delivering)."""
+    lease = 8.0
+    engine = make_engine(proxy.url("exports_app", db.name))
+    faulty = JobStore(engine, lease_seconds=lease, reread_timeout_seconds=1)
+    try:
+        job_id, attempt_id = await running_job(db, store)
+        job = await store.read_job(job_id)
+        file = built_file(tmp_path, job)
+        activities = ExportActivities(faulty, db.settings(lease_seconds=lease, renew_every_seconds=1.0),
+                                      worker_id="worker-a", worker_task_queue="unused")
+        await warm(faulty, proxy, job_id)
+        proxy.refuse_new_connections()
+        cut = proxy.cut_after_commit(CUTOFF_2)
+        attempt = asyncio.create_task(activities.authorize_delivery(AuthorizeInput(job=job, attempt_id=attempt_id,
+                                                                                   file=file)))
+        await eventually(lambda: _ready(cut.is_set()), bool, timeout=BOUND, what="cutoff 2 committed, its answer cut")
+        outage = 0.7 * lease  # past half the lease, short of lease - renew_every - one retry delay
+        await asyncio.sleep(outage)
+        assert not attempt.done(), attempt  # still asking, through the outage
+        refused_during_outage = proxy.refused
+        proxy.accept_new_connections()
+        output = await bounded(attempt)
+    finally:
+        await engine.dispose()
+    assert refused_during_outage >= 2  # the outage was real: the re-read and the renewals were refused
+    assert output.result is AuthorizationResult.AUTHORIZED
+    assert Path(file.path).exists()  # kept for the upload
+    row = await job_row(db, job_id)
+    assert (row["status"], row["attempt_id"], row["rename_fence"]) == ("Delivering", attempt_id, "open")
+    assert await kinds_and_attempts(db, job_id) == [("Claimed", attempt_id), ("DeliveryAuthorized", attempt_id)]
+
+
+@pytest.mark.spec("LR2", "PT6")
+async def test_cutoff_2_answer_lost_and_no_read_write_host_yet__asked_again_not_given_up(db, store, proxy, tmp_path):
+    """A failover between the commit and its answer: cutoff 2's reply is lost as the primary goes, and the re-read's
+    new connection finds only a server that is not yet read-write (libpq's target_session_attrs=read-write refuses
+    it: asyncpg's TargetServerAttributeNotMatched). Nothing was sent, so the write stays uncertain: the attempt asks
+    the row again until a primary answers, and delivers. The re-read used to raise that error, as a definite one,
+    and the activity failed at once with its attempt authorized (seen failing under load in the failover test:
+    an export left Delivering, and another left Running, for a recovery that never came)."""
+    engine = make_engine(proxy.url("exports_app", db.name) + "?target_session_attrs=read-write")
+    faulty = JobStore(engine, lease_seconds=8.0, reread_timeout_seconds=1)
+    try:
+        job_id, attempt_id = await running_job(db, store)
+        job = await store.read_job(job_id)
+        file = built_file(tmp_path, job)
+        activities = ExportActivities(faulty, db.settings(lease_seconds=8.0, renew_every_seconds=1.0),
+                                      worker_id="worker-a", worker_task_queue="unused")
+        await warm(faulty, proxy, job_id)
+        # New sessions read-only, as on a standby not yet promoted; the pooled connection keeps its own.
+        await db.admin.execute(f"ALTER DATABASE {db.name} SET default_transaction_read_only = on")
+        cut = proxy.cut_after_commit(CUTOFF_2)
+        attempt = asyncio.create_task(activities.authorize_delivery(AuthorizeInput(job=job, attempt_id=attempt_id,
+                                                                                   file=file)))
+        await eventually(lambda: _ready(cut.is_set()), bool, timeout=BOUND, what="cutoff 2 committed, its answer cut")
+        await asyncio.sleep(2.0)
+        assert not attempt.done(), attempt  # still asking while no host is read-write
+        accepted_while_read_only = proxy.accepted
+        await db.admin.execute(f"ALTER DATABASE {db.name} RESET default_transaction_read_only")  # promoted
+        output = await bounded(attempt)
+    finally:
+        await engine.dispose()
+    assert accepted_while_read_only >= 3  # the warm one, then new sessions turned away as not read-write
+    assert output.result is AuthorizationResult.AUTHORIZED
+    assert Path(file.path).exists()
+    row = await job_row(db, job_id)
+    assert (row["status"], row["attempt_id"]) == ("Delivering", attempt_id)
+    assert await kinds_and_attempts(db, job_id) == [("Claimed", attempt_id), ("DeliveryAuthorized", attempt_id)]
+
+
+async def _ready(value: bool) -> bool:
+    return value
+
+
 async def resolve_by_recovery(db, job_id: uuid.UUID, attempt_id: uuid.UUID) -> None:
     """What recovery's resolution of an expired Delivering attempt commits, done as the owner."""
     async with db.admin.transaction():
