@@ -7,8 +7,7 @@ marked `@attempt_step`. One lease keeper renews the row's lease for the whole at
 
 - the build starts the keeper (`_keeper`) once it holds the attempt's build slot;
 - a step that continues the attempt ends with `_hand_over(keeper)`: the keeper goes on renewing until the next
-  step adopts it, for at most one lease plus one renewal interval (the next step's schedule-to-start timeout is
-  one lease, workflows/export.py `_on_worker`), then stops and lets the lease lapse for recovery;
+  step adopts it, for at most `hand_over_window` (below), then stops and lets the lease lapse for recovery;
 - a step adopts the keeper first thing (`_keeper`), and ends by handing it on or with the attempt's terminal write
   (`keeper.terminal_write()`, then `finish`).
 
@@ -36,6 +35,22 @@ from store.jobs import JobStore
 from store.settings import Settings
 
 log = logging.getLogger(__name__)
+
+# Temporal's default workflow task timeout, which the exports' starts keep: a workflow task taken by a worker that
+# then dies is given to another after it.
+WORKFLOW_TASK_TIMEOUT_SECONDS = 10.0
+
+
+def hand_over_window(lease: float, renew_every: float, sticky_queue_timeout: float) -> float:
+    """How long a handed-over keeper waits for the next step. The step comes once the run's workflow task has
+    scheduled it, and that task waits first on the sticky queue of the worker that has the run cached: a worker
+    paused or killed holds it for the sticky timeout, and a worker that dies holding it, for a workflow task
+    timeout. Then the step is started within one lease (its schedule-to-start timeout, workflows/export.py
+    `_on_worker`). This worker holds the file and is alive meanwhile, so its attempt is not lost: one lease alone
+    let a pause of another worker lapse it, and recovery count it against the attempt cap (the chaos run's full
+    profile). A run that never schedules the step costs the attempt this long before recovery takes it back."""
+    return lease + renew_every + sticky_queue_timeout + WORKFLOW_TASK_TIMEOUT_SECONDS
+
 
 Step = TypeVar("Step", bound=Callable[..., Awaitable[Any]])
 # The lease keeper the running step adopted (each activity runs in a context of its own).
@@ -155,8 +170,8 @@ class ExportActivitiesBase:
                      errors.describe(exc))
 
     def _hand_over(self, keeper: LeaseKeeper) -> None:
-        # The next step of the attempt is scheduled on this worker with a schedule-to-start timeout of one lease.
-        keeper.hand_over(within=self.settings.lease_seconds + self.settings.renew_every_seconds)
+        keeper.hand_over(within=hand_over_window(self.settings.lease_seconds, self.settings.renew_every_seconds,
+                                                 self.settings.sticky_queue_timeout_seconds))
 
     async def _slot(self, slots: Slots, job_id: UUID, attempt_id: UUID, details: dict[str, Any]) -> None:
         """The attempt's slot in `slots`: the one it holds here, or one it waits for, first come first served, while

@@ -36,7 +36,7 @@ from activities.contracts import (
 )
 from activities.delivery_activities import DeliveryActivities
 from activities.destination import InvalidDestination, validate_destination
-from activities.export_base import activity_methods
+from activities.export_base import activity_methods, hand_over_window
 from activities.lease import heartbeating
 from activities.process import metrics
 from store import errors
@@ -197,9 +197,12 @@ class ExportActivities(BuildActivities, DeliveryActivities):
     def _claim_output(self, result: ClaimResult, job_id: UUID, attempt_id: UUID) -> ClaimOutput:
         if result is ClaimResult.CLAIMED:
             # The ticket this claim's poll held becomes the attempt's build slot here, where its build is scheduled
-            # (with a schedule-to-start bound of one lease); freed if the build does not come (activities/capacity.py).
+            # once the run's next workflow task has run; freed if the build does not come within as long as that may
+            # take (hand_over_window, activities/export_base.py; activities/capacity.py).
             self.capacity.builds.hold((job_id, attempt_id), claim=_CLAIM_STEP.get(),
-                                      adopt_within=self.settings.lease_seconds + self.settings.renew_every_seconds)
+                                      adopt_within=hand_over_window(self.settings.lease_seconds,
+                                                                    self.settings.renew_every_seconds,
+                                                                    self.settings.sticky_queue_timeout_seconds))
         return ClaimOutput(result=result, worker_task_queue=self.worker_task_queue,
                            lease_seconds=self.settings.lease_seconds)
 
