@@ -44,8 +44,16 @@ class BuildActivities(ExportActivitiesBase):
         again here) after its worker went quiet: it first takes the attempt's build slot, which fences any earlier
         build of the attempt and fails once a takeover has committed."""
         job, attempt_id = request.job, request.attempt_id
+        claimed = await self._end_claim_keeper(job.id, attempt_id)
         if activity.is_worker_shutdown():
-            return BuildOutput(ended="HandedBack")  # taken as this worker began to shut down: touch nothing
+            # Taken as this worker began to shut down: build nothing, and hand the claim back (its lease ends now).
+            if claimed is not None:
+                try:
+                    await self.store.release_lease(job.id, attempt_id, self.worker_id)
+                except Exception as exc:  # noqa: BLE001 - the lease lapses by itself: recovery requeues it then
+                    log.warning("export %s attempt %s: handing back left to the lease's lapse: %s", job.id,
+                                attempt_id, errors.describe(exc))
+            return BuildOutput(ended="HandedBack")
         final_name = job.final_name
         if final_name is None:
             # A row that a run of 0.1.0 read, before the name was a column: the name is the row's (no role may

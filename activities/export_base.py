@@ -5,7 +5,8 @@ The hand-over protocol of an attempt's steps. From its build to its terminal wri
 that claimed it (that worker's own task queue, where its file is), as several activities: `build`, then each step
 marked `@attempt_step`. One lease keeper renews the row's lease for the whole attempt, without a gap:
 
-- the build starts the keeper (`_keeper`) once it holds the attempt's build slot;
+- the claim starts a keeper for the claim's lease and hands it over (`_keep_claimed`); the build ends it and
+  starts its own (`_keeper`) once it holds the attempt's build slot;
 - a step that continues the attempt ends with `_hand_over(keeper)`: the keeper goes on renewing until the next
   step adopts it, for at most `hand_over_window` (below), then stops and lets the lease lapse for recovery;
 - a step adopts the keeper first thing (`_keeper`), and ends by handing it on or with the attempt's terminal write
@@ -168,6 +169,28 @@ class ExportActivitiesBase:
         except Exception as exc:
             log.info("export %s attempt %s: its partner session is freed by its row instead: %s", *key,
                      errors.describe(exc))
+
+    def _keep_claimed(self, job_id: UUID, attempt_id: UUID, leased_at: float | None) -> None:
+        """After a claim: this worker's keeper renews the claim's lease (its holder is the worker) and is handed
+        over to the build, so that the lease is kept while the run's next workflow task may still be on its way
+        (LK1). The build ends it first thing (`_end_claim_keeper`): its own statement sets its holder and lease."""
+        key = (job_id, attempt_id)
+        keeper = LeaseKeeper(self.store, job_id, attempt_id, self.worker_id,
+                             renew_every=self.settings.renew_every_seconds,
+                             on_done=lambda done: self._forget(key, done), leased_at=leased_at).start()
+        self.keepers[key] = keeper
+        self._hand_over(keeper)
+
+    async def _end_claim_keeper(self, job_id: UUID, attempt_id: UUID) -> LeaseKeeper | None:
+        """The keeper the claim handed over here, stopped; None if there is none. Taken out of `keepers` first, so
+        that the build slot it kept stays the build's."""
+        key = (job_id, attempt_id)
+        keeper = self.keepers.get(key)
+        if keeper is None or keeper.holder != self.worker_id:
+            return None
+        del self.keepers[key]
+        await keeper.finish()
+        return keeper
 
     def _hand_over(self, keeper: LeaseKeeper) -> None:
         keeper.hand_over(within=hand_over_window(self.settings.lease_seconds, self.settings.renew_every_seconds,

@@ -113,7 +113,8 @@ class ExportActivities(BuildActivities, DeliveryActivities):
         row = evaluation.row
         if row is not None and row.status is Status.RUNNING and row.attempt_id == request.attempt_id:
             return Admission(evaluation=evaluation,
-                             claim=self._claim_output(ClaimResult.CLAIMED, row.id, request.attempt_id),
+                             claim=self._claim_output(ClaimResult.CLAIMED, row.id, request.attempt_id,
+                                                      keep=row.claimed_by == self.worker_id),
                              attempt=row.attempt_count, idle_recheck_seconds=self.settings.idle_recheck_seconds)
         if row is None or not evaluation.allowed:
             return Admission(evaluation=evaluation, idle_recheck_seconds=self.settings.idle_recheck_seconds)
@@ -190,12 +191,19 @@ class ExportActivities(BuildActivities, DeliveryActivities):
 
     async def _claim(self, job_id: UUID, checked_version: int, attempt_id: UUID) -> ClaimOutput:
         await self.checkpoints.reached(checkpoints.CLAIM, job_id)
+        sent_at = asyncio.get_running_loop().time()  # the claim sets the lease, at the server, after this
         result = await self.store.claim(job_id, checked_version, attempt_id, self.worker_id)
+        if result is ClaimResult.CLAIMED:
+            self._keep_claimed(job_id, attempt_id, sent_at)  # from the commit on, until the build comes
         await self.checkpoints.reached(checkpoints.AFTER_CLAIM, job_id)
         return self._claim_output(result, job_id, attempt_id)
 
-    def _claim_output(self, result: ClaimResult, job_id: UUID, attempt_id: UUID) -> ClaimOutput:
+    def _claim_output(self, result: ClaimResult, job_id: UUID, attempt_id: UUID, *, keep: bool = False) -> ClaimOutput:
+        """`keep`: the claim committed in an earlier try, and the row names this worker as its holder, so this
+        worker's keeper renews the claim's lease (`_claim` starts it for a claim it made)."""
         if result is ClaimResult.CLAIMED:
+            if keep and (job_id, attempt_id) not in self.keepers:
+                self._keep_claimed(job_id, attempt_id, None)
             # The ticket this claim's poll held becomes the attempt's build slot here, where its build is scheduled
             # once the run's next workflow task has run; freed if the build does not come within as long as that may
             # take (hand_over_window, activities/export_base.py; activities/capacity.py).
