@@ -43,19 +43,35 @@ class Candidate:
     handed_back_count: int = 0
 
 
+@dataclass(frozen=True)
+class Loss:
+    """How an expired attempt was lost (recovery_loss.sql)."""
+
+    holder: str | None  # the worker that held it (its worker ID)
+    with_its_worker: bool  # another attempt of that worker was lost with it: the worker was lost, not the export
+    lost_with_worker_before: int  # the export's earlier attempts lost so
+
+
 class Recovery(RoleStore):
     """The scheduled backstops: recovery's takeovers and the sweeper. They run as the application role
     (EXPORTS_DATABASE_URL), on the worker's engine."""
 
     def __init__(self, engine: AsyncEngine, *, max_attempts: int, max_hand_backs: int = 10,
+                 max_shared_losses: int = 10, renew_seconds: float = 20.0, together_seconds: float = 90.0,
                  on_ended: Callable[[Status], None] = lambda status: None) -> None:
         """`on_ended` hears every settled state a takeover wrote, as JobStore's does for the attempts' own.
-        `max_attempts` caps the attempts lost (not handed back by their worker), `max_hand_backs` the others."""
-        if max_attempts < 1 or max_hand_backs < 1:
-            raise ValueError("max_attempts and max_hand_backs must be at least 1")
+        `max_attempts` caps the attempts lost alone, `max_shared_losses` those lost with their worker (the worker
+        lost several attempts at once: recovery_loss.sql, with the workers' renewal interval `renew_seconds`, and
+        `together_seconds`, how long after one loss of a worker another still counts as lost with it: a lease and
+        a recovery interval), `max_hand_backs` those handed back by their own worker."""
+        if min(max_attempts, max_hand_backs, max_shared_losses) < 1:
+            raise ValueError("max_attempts, max_hand_backs and max_shared_losses must be at least 1")
         super().__init__(engine)
         self.max_attempts = max_attempts
         self.max_hand_backs = max_hand_backs
+        self.max_shared_losses = max_shared_losses
+        self.renew_seconds = renew_seconds
+        self.together_seconds = together_seconds
         self.on_ended = on_ended
 
     async def nominate(self, limit: int) -> list[Candidate]:
@@ -73,14 +89,21 @@ class Recovery(RoleStore):
             for row in rows
         ]
 
-    async def requeue(self, job_id: UUID, attempt_id: UUID) -> bool:
+    async def loss(self, job_id: UUID, attempt_id: UUID) -> Loss:
+        """How the expired attempt was lost (recovery_loss.sql): with its worker or alone, and by whom."""
+        row = await self.db.row("recovery_loss", job_id=job_id, attempt_id=attempt_id,
+                                renew_seconds=self.renew_seconds, together_seconds=self.together_seconds)
+        if row is None:  # moved on since the scan, or never claimed: the takeover will match nothing
+            return Loss(None, False, 0)
+        return Loss(row["holder"], row["with_its_worker"], row["lost_with_worker_before"])
+
+    async def requeue(self, job_id: UUID, attempt_id: UUID, loss: Loss | None = None) -> bool:
         """Running (or Delivering, its rename fence open) -> Queued with RequeuedByRecovery and a new outbox row.
         The statement's row count is the outbox insert's, which is one exactly when the update and its event
-        happened."""
+        happened. `loss` as `loss()` read it (read now if not given)."""
+        loss = loss or await self.loss(job_id, attempt_id)
         return await self._takeover(
-            "recovery_requeue", None, job_id=job_id, expired_attempt_id=attempt_id, max_attempts=self.max_attempts,
-            max_hand_backs=self.max_hand_backs,
-        )
+            "recovery_requeue", None, job_id=job_id, expired_attempt_id=attempt_id, **self._caps(loss))
 
     async def stop(self, job_id: UUID, attempt_id: UUID, recovery_run_id: str | UUID) -> bool:
         """Running with a recorded stop request -> Stopped, with StoppedByRecovery."""
@@ -91,17 +114,22 @@ class Recovery(RoleStore):
             recovery_run_id=str(recovery_run_id),
         )
 
-    async def exhaust(self, job_id: UUID, attempt_id: UUID, recovery_run_id: str | UUID) -> bool:
-        """Running (or Delivering, its rename fence open) at either cap -> Failed/AttemptsExhausted, with its
-        event."""
+    async def exhaust(self, job_id: UUID, attempt_id: UUID, recovery_run_id: str | UUID,
+                      loss: Loss | None = None) -> bool:
+        """Running (or Delivering, its rename fence open) at a cap -> Failed/AttemptsExhausted, with its event."""
+        loss = loss or await self.loss(job_id, attempt_id)
         return await self._takeover(
             "recovery_exhausted", Status.FAILED,
             job_id=job_id,
             expired_attempt_id=attempt_id,
-            max_attempts=self.max_attempts,
-            max_hand_backs=self.max_hand_backs,
             recovery_run_id=str(recovery_run_id),
+            **self._caps(loss),
         )
+
+    def _caps(self, loss: Loss) -> dict[str, Any]:
+        return {"max_attempts": self.max_attempts, "max_hand_backs": self.max_hand_backs,
+                "max_shared_losses": self.max_shared_losses, "with_its_worker": loss.with_its_worker,
+                "lost_by": loss.holder}
 
     async def resolve(
         self,
@@ -150,13 +178,13 @@ class Recovery(RoleStore):
     async def _take_back(self, candidate: Candidate, recovery_run_id: str | UUID) -> str | None:
         if candidate.stop_request_id is not None:
             kind, done = STOPPED, await self.stop(candidate.job_id, candidate.attempt_id, recovery_run_id)
-        elif self._at_a_cap(candidate):
-            kind, done = (
-                EXHAUSTED,
-                await self.exhaust(candidate.job_id, candidate.attempt_id, recovery_run_id),
-            )
         else:
-            kind, done = REQUEUED, await self.requeue(candidate.job_id, candidate.attempt_id)
+            loss = await self.loss(candidate.job_id, candidate.attempt_id)
+            if self._at_a_cap(candidate, loss):
+                kind, done = EXHAUSTED, await self.exhaust(candidate.job_id, candidate.attempt_id, recovery_run_id,
+                                                           loss)
+            else:
+                kind, done = REQUEUED, await self.requeue(candidate.job_id, candidate.attempt_id, loss)
         if not done:
             log.info(
                 "takeover %s of export %s attempt %s matched nothing",
@@ -174,11 +202,13 @@ class Recovery(RoleStore):
         )
         return kind
 
-    def _at_a_cap(self, candidate: Candidate) -> bool:
+    def _at_a_cap(self, candidate: Candidate, loss: Loss) -> bool:
         """The scan's guess at which takeover applies: recovery_exhausted.sql's condition, which decides (a guess
         from a stale scan makes its statement match nothing, and the next run chooses again)."""
-        lost = candidate.attempt_count - candidate.handed_back_count
-        return lost >= self.max_attempts or candidate.handed_back_count >= self.max_hand_backs
+        with_worker = loss.lost_with_worker_before + loss.with_its_worker
+        alone = candidate.attempt_count - candidate.handed_back_count - with_worker
+        return (alone >= self.max_attempts or with_worker >= self.max_shared_losses
+                or candidate.handed_back_count >= self.max_hand_backs)
 
     async def _takeover(self, name: str, settles: Status | None, **params: Any) -> bool:
         """One takeover statement; `settles` is the state it writes when that state ends the export."""

@@ -784,7 +784,7 @@ ENDS = {"Q": {Status.QUEUED}, "S": {Status.STOPPED}, "F": {Status.FAILED}, "E": 
 
 
 def sequence_problems(events: list[dict[str, Any]], row: dict[str, Any], max_attempts: int,
-                      max_hand_backs: int = 10) -> list[str]:
+                      max_hand_backs: int = 10, max_shared_losses: int = 10) -> list[str]:
     """What is wrong with an export's events as a history of its attempts: each attempt's sequence is one the
     statements can write, every attempt but the row's current one was requeued, the last one ends in the row's
     status, and no more attempts than the cap."""
@@ -809,13 +809,19 @@ def sequence_problems(events: list[dict[str, Any]], row: dict[str, Any], max_att
         problems.append(f"the row is {status} but its attempt's events are {attempts.get(current)}")
     if current is None and status not in (Status.CANCELED, Status.REJECTED, Status.QUEUED):
         problems.append(f"the row is {status} without an attempt")
-    # The cap counts the attempts lost; those their worker handed back before the rename have a cap of their own.
+    # The cap counts the attempts lost alone; those lost with their worker (recovery's event says so) and those
+    # their worker handed back before the rename have caps of their own.
     handed_back = row.get("handed_back_count", 0)
-    if len(attempts) > max_attempts + handed_back or len(attempts) != row["attempt_count"]:
+    with_worker = sum(1 for e in events
+                      if e["kind"] == "RequeuedByRecovery" and e.get("detail") == "lost with its worker")
+    if len(attempts) > max_attempts + handed_back + with_worker or len(attempts) != row["attempt_count"]:
         problems.append(f"{len(attempts)} attempts with events, the row counts {row['attempt_count']} "
-                        f"(cap {max_attempts}, and {handed_back} handed back)")
+                        f"(cap {max_attempts}, and {handed_back} handed back, {with_worker} lost with their worker)")
     if handed_back > max_hand_backs:
         problems.append(f"{handed_back} attempts handed back, over the cap of {max_hand_backs}")
+    if with_worker >= max_shared_losses:
+        problems.append(f"{with_worker} attempts lost with their worker and requeued, at or over the cap of "
+                        f"{max_shared_losses}")
     return problems
 
 
@@ -883,7 +889,8 @@ async def check_invariants(c: Chaos) -> tuple[list[Violation], list[str], dict[s
         if not status.is_settled:
             ev(job_id, "settled", f"still {status}")
 
-        for problem in sequence_problems(evts, row, c.h.settings.max_attempts, c.h.settings.max_hand_backs):
+        for problem in sequence_problems(evts, row, c.h.settings.max_attempts, c.h.settings.max_hand_backs,
+                                         c.h.settings.max_shared_losses):
             ev(job_id, "attempts", problem)
 
         # Never a second rename (an attempt taken back may have uploaded to its temporary name); one terminal per
@@ -1297,6 +1304,11 @@ def test_the_event_sequence_check_refuses_what_no_statement_writes():
     four = history(*((uuid.uuid4(), "CBAQ") for _ in range(4)))
     assert sequence_problems(four, {**row(Status.QUEUED, None, 4), "handed_back_count": 1}, 3) == []
     assert sequence_problems(four, {**row(Status.QUEUED, None, 4), "handed_back_count": 4}, 3, 3)
+    # Likewise by attempts lost with their worker, which are capped apart (at 4 here: three requeued at most).
+    shared = [{**e, "detail": "lost with its worker"} if e["kind"] == "RequeuedByRecovery" else e for e in four]
+    assert sequence_problems(shared[:12], row(Status.QUEUED, None, 3), 1, 10, 4) == []
+    assert sequence_problems(shared, row(Status.QUEUED, None, 4), 1, 10, 4)
+    assert sequence_problems(four, row(Status.QUEUED, None, 4), 1, 10, 4)  # lost alone: over the cap of 1
     for events, final, why in (
         (history((first, "CBAEA")), row(Status.COMPLETED, first, 1), "authorized twice"),
         (history((first, "CAE")), row(Status.COMPLETED, first, 1), "authorized without a build"),

@@ -366,7 +366,10 @@ async def test_dispatcher_sets_published_at_once_from_null_to_the_database_clock
 @pytest.mark.spec("GR1", "GR2")
 async def test_every_documented_transition_still_commits(db, store, tenant, reconciler):
     tenant_id, destination_id = tenant
-    recovery = Recovery(store.engine, max_attempts=2)
+    # One worker ID claims every attempt here, so that no loss counts as lost with its worker (a live worker's other
+    # attempts keep 5 s of lease, over `renew_seconds`; its earlier losses are past `together_seconds`): the
+    # attempt cap applies.
+    recovery = Recovery(store.engine, max_attempts=2, renew_seconds=1.0, together_seconds=0.001)
 
     # Claim, two builds (a resumption takes the slot from the first holder), renewal, cutoff 2, finish, correct.
     job = await create_job(store, tenant_id, destination_id)

@@ -195,7 +195,7 @@ async def test_authorization_holding_the_row_makes_the_requeue_wait_then_match_n
         await eventually(lambda: lease_current(db, job.id), lambda current: current is False, timeout=WAIT,
                          what="lease expiry")
         requeue = asyncio.create_task(recovery.requeue(job.id, attempt_id))
-        await blocked_by(db, pid, "WITH requeued AS")
+        await blocked_by(db, pid, "requeued AS (")
         await conn.commit()
     assert await asyncio.wait_for(requeue, WAIT) is False
     row = await store.read_job(job.id)
@@ -213,7 +213,8 @@ async def test_requeue_holding_the_row_makes_the_renewal_wait_then_match_nothing
     job, attempt_id = await running(store, tenant)
     await expire(db, job.id)
     async with held(app_engine, "recovery_requeue", job_id=job.id, expired_attempt_id=attempt_id,
-                    max_attempts=3, max_hand_backs=10) as (conn, pid):
+                    max_attempts=3, max_hand_backs=10, max_shared_losses=10, with_its_worker=False,
+                    lost_by=None) as (conn, pid):
         renew = asyncio.create_task(store.renew_lease(job.id, attempt_id))
         await blocked_by(db, pid, "lease_expires_at = clock_timestamp() + make_interval")
         await conn.commit()
@@ -258,7 +259,7 @@ async def test_uncommitted_renewal_makes_the_takeover_wait_and_reevaluate(db, st
     async with held(app_engine, "renew_lease", job_id=job.id, attempt_id=attempt_id, holder=None,
                     lease_seconds=5.0) as (conn, pid):
         takeover = asyncio.create_task(recovery.take_over_running(candidate, RUN))
-        await blocked_by(db, pid, "WITH requeued AS")
+        await blocked_by(db, pid, "requeued AS (")
         await conn.commit()
     assert await asyncio.wait_for(takeover, WAIT) is None
     row = await store.read_job(job.id)
@@ -482,7 +483,7 @@ async def test_the_fence_and_the_take_back_wait_for_each_other_and_one_wins(db, 
     await expire(db, job.id)
     async with held(app_engine, "pass_rename_fence", **fence_params(job, attempt_id)) as (conn, pid):
         requeue = asyncio.create_task(recovery.requeue(job.id, attempt_id))
-        await blocked_by(db, pid, "WITH requeued AS")
+        await blocked_by(db, pid, "requeued AS (")
         await conn.commit()
     assert await asyncio.wait_for(requeue, WAIT) is False
     assert (await store.read_job(job.id)).status is Status.DELIVERING and await fence(db, job.id) == "passed"
@@ -490,7 +491,8 @@ async def test_the_fence_and_the_take_back_wait_for_each_other_and_one_wins(db, 
     other, other_attempt = await delivering(store, tenant)
     await expire(db, other.id)
     async with held(app_engine, "recovery_requeue", job_id=other.id, expired_attempt_id=other_attempt,
-                    max_attempts=3, max_hand_backs=10) as (conn, pid):
+                    max_attempts=3, max_hand_backs=10, max_shared_losses=10, with_its_worker=False,
+                    lost_by=None) as (conn, pid):
         passing = asyncio.create_task(store.pass_rename_fence(other.id, other_attempt, None, "worker-b/test",
                                                               {"step": "rename"}))
         await blocked_by(db, pid, "rename_fence = 'passed'")
@@ -550,3 +552,89 @@ async def test_the_application_cannot_take_back_a_fence_it_does_not_hold_open(db
                         "VALUES (:id, :attempt, :kind, clock_timestamp())"),
                         {"id": job.id, "attempt": attempt_id, "kind": kind[name]})
         assert (await store.read_job(job.id)).status is Status.DELIVERING and await fence(db, job.id) == arranged
+
+
+# --- losses with their worker (migration 0014) ------------------------------------------------------------------
+
+
+def sharing_recovery(app_engine: AsyncEngine, ended: list[Status], **caps: int) -> Recovery:
+    """Recovery with the store's 5 s lease in mind: a live worker's other attempts keep more than 2 s of it."""
+    return Recovery(app_engine, **{"max_attempts": 2, "max_shared_losses": 3, **caps}, renew_seconds=2.0,
+                    together_seconds=30.0, on_ended=ended.append)
+
+
+async def claim_as(store: JobStore, job_id: uuid.UUID, worker: str) -> uuid.UUID:
+    attempt_id = uuid.uuid4()
+    row = await store.read_job(job_id)
+    assert await store.claim(job_id, row.version, attempt_id, worker) is ClaimResult.CLAIMED
+    return attempt_id
+
+
+async def losses(db, job_id: uuid.UUID) -> list[tuple[str, str | None, str | None]]:
+    rows = await db.admin.fetch(
+        "SELECT kind, worker_id, detail FROM export_attempt_events WHERE job_id = $1 "
+        "AND kind IN ('RequeuedByRecovery', 'AttemptsExhausted') ORDER BY id", job_id)
+    return [tuple(r) for r in rows]
+
+
+@pytest.mark.spec("RI8")
+async def test_attempts_lost_with_their_worker_count_against_the_looser_cap(db, store, tenant, app_engine, ended):
+    """A worker lost (killed, paused) with two attempts, three times: each export's losses are with its worker, so
+    the attempt cap (2) does not end them; the cap of losses with their worker (3) does, on the third."""
+    recovery = sharing_recovery(app_engine, ended)
+    jobs = [await create_job(store, *tenant) for _ in range(2)]
+    for life in (1, 2, 3):
+        worker = f"host-{100 + life}-abcdef"
+        for job_id in jobs:
+            await claim_as(store, job_id, worker)
+        for job_id in jobs:
+            await expire(db, job_id)
+        taken = [await recovery.take_over_running(c, RUN) for c in await recovery.nominate(limit=10)]
+        assert taken == ([REQUEUED, REQUEUED] if life < 3 else [EXHAUSTED, EXHAUSTED]), (life, taken)
+        for job_id in jobs:
+            assert (await losses(db, job_id))[-1] == (taken[0], worker, "lost with its worker")
+            assert (await store.read_job(job_id)).attempt_count == life
+    rows = [await store.read_job(job_id) for job_id in jobs]
+    assert {(r.status, r.failure_reason) for r in rows} == {(Status.FAILED, "AttemptsExhausted")}
+    assert ended == [Status.FAILED, Status.FAILED]
+
+
+@pytest.mark.spec("RI8")
+async def test_an_attempt_lost_while_its_workers_others_renew_is_lost_alone(db, store, tenant, app_engine, ended):
+    """The worker's other attempt keeps a fresh lease (a live worker renews it): the lapsed one was lost alone and
+    counts against the attempt cap (2), which ends it on the second such loss."""
+    recovery = sharing_recovery(app_engine, ended)
+    job_id, other = await create_job(store, *tenant), await create_job(store, *tenant)
+    await claim_as(store, other, "host-7-aaaaaa")  # renewed meanwhile: its lease is the store's fresh 5 s
+    for kind in (REQUEUED, EXHAUSTED):
+        await claim_as(store, job_id, "host-7-aaaaaa")
+        await expire(db, job_id)
+        [candidate] = await recovery.nominate(limit=10)
+        assert await recovery.take_over_running(candidate, RUN) == kind
+        assert (await losses(db, job_id))[-1] == (kind, "host-7-aaaaaa", "lost alone")
+    assert (await store.read_job(job_id)).failure_reason == "AttemptsExhausted"
+    assert (await store.read_job(other)).status is Status.RUNNING
+
+
+@pytest.mark.spec("RI8")
+async def test_a_workers_losses_count_together_across_recovery_runs(db, store, tenant, app_engine, ended):
+    """Two attempts of a dead worker lapse a moment apart (renewed at different times): the first is taken over
+    while the second still has under one renewal interval left, and the second in a later run, after the first
+    has left the worker. Both are lost with their worker; the build's holder suffix (`/<build>`) is the same
+    worker."""
+    recovery = sharing_recovery(app_engine, ended)
+    first, second = await create_job(store, *tenant), await create_job(store, *tenant)
+    await claim_as(store, first, "host-9-bbbbbb")
+    await claim_as(store, second, "host-9-bbbbbb")
+    await db.admin.execute("UPDATE export_jobs SET claimed_by = 'host-9-bbbbbb/build-1' WHERE id = $1", second)
+    await expire(db, first)
+    await db.admin.execute(
+        "UPDATE export_jobs SET lease_expires_at = clock_timestamp() + interval '1 second' WHERE id = $1", second)
+    [candidate] = await recovery.nominate(limit=10)
+    assert await recovery.take_over_running(candidate, RUN) == REQUEUED
+    assert (await losses(db, first))[-1][2] == "lost with its worker"
+    await expire(db, second)
+    [candidate] = await recovery.nominate(limit=10)
+    assert candidate.job_id == second
+    assert await recovery.take_over_running(candidate, RUN) == REQUEUED
+    assert (await losses(db, second))[-1] == (REQUEUED, "host-9-bbbbbb", "lost with its worker")

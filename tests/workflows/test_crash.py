@@ -277,6 +277,47 @@ async def test_job_that_kills_its_worker_every_attempt_ends_failed_at_the_cap(db
     assert [b.result.ended for b in builds if b.result] == ["LostOwnership", "LostOwnership"]
 
 
+@pytest.mark.spec("RI9")
+async def test_exports_lost_with_their_killed_worker_are_not_ended_at_the_attempt_cap(db, store, client, tmp_path):
+    """The other side of RI9: a worker killed while it holds two exports, as many times as the attempt cap allows
+    (2), has not killed itself through either export. Each loss is lost with its worker (migration 0014) and counts
+    against the looser cap: both exports are requeued each time and complete on the next healthy worker. Before,
+    both ended Failed/AttemptsExhausted (seen failing)."""
+    async with crash_world(db, store, client, tmp_path, max_attempts=2) as h, processes(h) as started:
+        jobs = [await h.create() for _ in range(2)]
+        recorded: dict[uuid.UUID, list[str | None]] = {job_id: [] for job_id in jobs}
+        holders: list[str] = []
+        async with recovery_only_worker(h) as queue:
+            for attempt in (1, 2):
+                for job_id in jobs:
+                    (h.settings.work_dir / f"held-build_started-{job_id}").unlink(missing_ok=True)
+                crashing = await start_worker(started, h, hold_at="build_started")
+                for job_id in jobs:
+                    await held_at(h.settings, "build_started", job_id)
+                rows = [await h.store.read_job(job_id) for job_id in jobs]
+                assert [(r.status, r.attempt_count) for r in rows] == [(Status.RUNNING, attempt)] * 2
+                assert len({r.claimed_by.split("/")[0] for r in rows}) == 1  # one worker holds both
+                holders.append(rows[0].claimed_by.split("/")[0])
+                crashing.kill()  # SIGKILL
+                for job_id in jobs:
+                    await forget_dead_worker(h, job_id)
+                    await wait_lease_expired(h, job_id)
+                report = await recover_on(h, queue)
+                for job_id in jobs:
+                    recorded[job_id] += recorded_for(report, job_id)
+        assert recorded == {job_id: ["RequeuedByRecovery", "RequeuedByRecovery"] for job_id in jobs}
+        await start_worker(started, h)
+        settled = [await h.settled(job_id) for job_id in jobs]
+
+    assert [(r.status, r.attempt_count) for r in settled] == [(Status.COMPLETED, 3)] * 2
+    for job_id in jobs:
+        requeues = await h.db.admin.fetch(
+            "SELECT worker_id, detail FROM export_attempt_events WHERE job_id = $1 AND kind = 'RequeuedByRecovery' "
+            "ORDER BY id", job_id)
+        assert [tuple(r) for r in requeues] == [(holder, "lost with its worker") for holder in holders]
+    assert sorted(outbound_names(h.partner)) == sorted(r.final_name for r in settled)  # one file each
+
+
 # --- IU4: interrupted after the partner's confirmation, before the terminal write -----------------------------------
 
 

@@ -1,0 +1,24 @@
+-- How an expired attempt was lost (migration 0014): `with_its_worker` when another attempt of the same worker (the
+-- holder's worker ID, before any `/<build holder>`) lapsed with it, its lease out or running out within one
+-- renewal interval without a renewal, or was taken over by recovery within `:together_seconds`: the worker was
+-- lost (killed, paused, cut off), not only this attempt. A live worker renews every attempt it holds, so its others
+-- keep at least a lease minus a renewal interval. Also how many of the export's earlier attempts were lost so.
+-- Read by recovery to choose its takeover; the takeover statements count again and decide.
+WITH lost AS (
+    SELECT id, split_part(claimed_by, '/', 1) AS holder
+    FROM export_jobs
+    WHERE id = :job_id AND attempt_id = :attempt_id AND claimed_by IS NOT NULL)
+SELECT lost.holder,
+       EXISTS (SELECT 1 FROM export_jobs o
+               WHERE o.status IN ('Running', 'Delivering')
+                 AND o.lease_expires_at < clock_timestamp() + make_interval(secs => :renew_seconds)
+                 AND o.id <> lost.id AND split_part(o.claimed_by, '/', 1) = lost.holder)
+       OR EXISTS (SELECT 1 FROM export_attempt_events e
+                  WHERE e.worker_id = lost.holder AND e.kind IN ('RequeuedByRecovery', 'AttemptsExhausted')
+                    AND e.recorded_at > clock_timestamp() - make_interval(secs => :together_seconds)
+                    AND e.job_id <> lost.id)
+           AS with_its_worker,
+       (SELECT count(*) FROM export_attempt_events s
+        WHERE s.job_id = lost.id AND s.kind = 'RequeuedByRecovery' AND s.detail = 'lost with its worker')
+           AS lost_with_worker_before
+FROM lost;
