@@ -34,7 +34,7 @@ def hands_back(result: DeliveryResult, job: JobRow, holder: str | None) -> str |
     export OutcomeUnknown, or None when it does not: it did not deliver, but cannot tell how the final name looks
     (no fresh listing) or why (a file there that is not its own). A proven NotDelivered is an outcome the evidence
     gives, and stands. Only an attempt that holds its row hands back, and only an original's: recovery takes back
-    no replacement (recovery_requeue.sql)."""
+    no replacement (recovery_take_back.sql)."""
     if result.before_rename and result.outcome == "OutcomeUnknown" and job.replaces_job_id is None:
         return holder
     return None

@@ -49,7 +49,6 @@ class Loss:
 
     holder: str | None  # the worker that held it (its worker ID)
     with_its_worker: bool  # another attempt of that worker was lost with it: the worker was lost, not the export
-    lost_with_worker_before: int  # the export's earlier attempts lost so
 
 
 class Recovery(RoleStore):
@@ -94,16 +93,24 @@ class Recovery(RoleStore):
         row = await self.db.row("recovery_loss", job_id=job_id, attempt_id=attempt_id,
                                 renew_seconds=self.renew_seconds, together_seconds=self.together_seconds)
         if row is None:  # moved on since the scan, or never claimed: the takeover will match nothing
-            return Loss(None, False, 0)
-        return Loss(row["holder"], row["with_its_worker"], row["lost_with_worker_before"])
+            return Loss(None, False)
+        return Loss(row["holder"], row["with_its_worker"])
 
-    async def requeue(self, job_id: UUID, attempt_id: UUID, loss: Loss | None = None) -> bool:
-        """Running (or Delivering, its rename fence open) -> Queued with RequeuedByRecovery and a new outbox row.
-        The statement's row count is the outbox insert's, which is one exactly when the update and its event
-        happened. `loss` as `loss()` read it (read now if not given)."""
+    async def take_back(self, job_id: UUID, attempt_id: UUID, recovery_run_id: str | UUID,
+                        loss: Loss | None = None) -> str | None:
+        """Running (or Delivering, its rename fence open) -> Queued with RequeuedByRecovery and a new outbox row, or
+        at a cap -> Failed/AttemptsExhausted with its event (recovery_take_back.sql, which counts the caps): the
+        event kind it recorded, None if it matched nothing. `loss` as `loss()` read it (read now if not given)."""
         loss = loss or await self.loss(job_id, attempt_id)
-        return await self._takeover(
-            "recovery_requeue", None, job_id=job_id, expired_attempt_id=attempt_id, **self._caps(loss))
+        row = await self.db.write_row(
+            "recovery_take_back", job_id=job_id, expired_attempt_id=attempt_id, recovery_run_id=str(recovery_run_id),
+            max_attempts=self.max_attempts, max_hand_backs=self.max_hand_backs,
+            max_shared_losses=self.max_shared_losses, with_its_worker=loss.with_its_worker, lost_by=loss.holder)
+        if row is None:
+            return None
+        if row["kind"] == EXHAUSTED:
+            self.on_ended(Status.FAILED)
+        return str(row["kind"])
 
     async def stop(self, job_id: UUID, attempt_id: UUID, recovery_run_id: str | UUID) -> bool:
         """Running with a recorded stop request -> Stopped, with StoppedByRecovery."""
@@ -113,23 +120,6 @@ class Recovery(RoleStore):
             expired_attempt_id=attempt_id,
             recovery_run_id=str(recovery_run_id),
         )
-
-    async def exhaust(self, job_id: UUID, attempt_id: UUID, recovery_run_id: str | UUID,
-                      loss: Loss | None = None) -> bool:
-        """Running (or Delivering, its rename fence open) at a cap -> Failed/AttemptsExhausted, with its event."""
-        loss = loss or await self.loss(job_id, attempt_id)
-        return await self._takeover(
-            "recovery_exhausted", Status.FAILED,
-            job_id=job_id,
-            expired_attempt_id=attempt_id,
-            recovery_run_id=str(recovery_run_id),
-            **self._caps(loss),
-        )
-
-    def _caps(self, loss: Loss) -> dict[str, Any]:
-        return {"max_attempts": self.max_attempts, "max_hand_backs": self.max_hand_backs,
-                "max_shared_losses": self.max_shared_losses, "with_its_worker": loss.with_its_worker,
-                "lost_by": loss.holder}
 
     async def resolve(
         self,
@@ -177,38 +167,16 @@ class Recovery(RoleStore):
 
     async def _take_back(self, candidate: Candidate, recovery_run_id: str | UUID) -> str | None:
         if candidate.stop_request_id is not None:
-            kind, done = STOPPED, await self.stop(candidate.job_id, candidate.attempt_id, recovery_run_id)
+            stopped = await self.stop(candidate.job_id, candidate.attempt_id, recovery_run_id)
+            kind = STOPPED if stopped else None
         else:
-            loss = await self.loss(candidate.job_id, candidate.attempt_id)
-            if self._at_a_cap(candidate, loss):
-                kind, done = EXHAUSTED, await self.exhaust(candidate.job_id, candidate.attempt_id, recovery_run_id,
-                                                           loss)
-            else:
-                kind, done = REQUEUED, await self.requeue(candidate.job_id, candidate.attempt_id, loss)
-        if not done:
-            log.info(
-                "takeover %s of export %s attempt %s matched nothing",
-                kind,
-                candidate.job_id,
-                candidate.attempt_id,
-            )
+            kind = await self.take_back(candidate.job_id, candidate.attempt_id, recovery_run_id)
+        if kind is None:
+            log.info("takeover of export %s attempt %s matched nothing", candidate.job_id, candidate.attempt_id)
             return None
-        log.info(
-            "recovery %s took over export %s attempt %s: %s",
-            recovery_run_id,
-            candidate.job_id,
-            candidate.attempt_id,
-            kind,
-        )
+        log.info("recovery %s took over export %s attempt %s: %s", recovery_run_id, candidate.job_id,
+                 candidate.attempt_id, kind)
         return kind
-
-    def _at_a_cap(self, candidate: Candidate, loss: Loss) -> bool:
-        """The scan's guess at which takeover applies: recovery_exhausted.sql's condition, which decides (a guess
-        from a stale scan makes its statement match nothing, and the next run chooses again)."""
-        with_worker = loss.lost_with_worker_before + loss.with_its_worker
-        alone = candidate.attempt_count - candidate.handed_back_count - with_worker
-        return (alone >= self.max_attempts or with_worker >= self.max_shared_losses
-                or candidate.handed_back_count >= self.max_hand_backs)
 
     async def _takeover(self, name: str, settles: Status | None, **params: Any) -> bool:
         """One takeover statement; `settles` is the state it writes when that state ends the export."""

@@ -177,6 +177,15 @@ class Database:
                 return Written(count)
             return await self._reread(reread, count)
 
+    async def write_row(self, name: str, **params: Any) -> dict[str, Any] | None:
+        """Run one conditional statement alone (it commits on its own, as `write` does) whose answer is a row: what
+        it did, or None when it matched nothing. An uncertain answer is raised, as `write` does without a re-read."""
+        with sql_span(name), translated():
+            async with self.engine.connect() as own:
+                own = await own.execution_options(isolation_level="AUTOCOMMIT")
+                found = (await own.execute(statement(name), params)).mappings().first()
+        return dict(found) if found is not None else None
+
     async def _reread(self, reread: Reread, count: int | None) -> Written[int | None]:
         try:
             async with asyncio.timeout(self.reread_timeout_seconds):

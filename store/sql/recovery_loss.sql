@@ -2,8 +2,8 @@
 -- holder's worker ID, before any `/<build holder>`) lapsed with it, its lease out or running out within one
 -- renewal interval without a renewal, or was taken over by recovery within `:together_seconds`: the worker was
 -- lost (killed, paused, cut off), not only this attempt. A live worker renews every attempt it holds, so its others
--- keep at least a lease minus a renewal interval. Also how many of the export's earlier attempts were lost so.
--- Read by recovery to choose its takeover; the takeover statements count again and decide.
+-- keep at least a lease minus a renewal interval. Read by recovery before its takeover (recovery_take_back.sql), which
+-- counts it against the cap on losses with their worker.
 WITH lost AS (
     SELECT id, split_part(claimed_by, '/', 1) AS holder
     FROM export_jobs
@@ -17,8 +17,5 @@ SELECT lost.holder,
                   WHERE e.worker_id = lost.holder AND e.kind IN ('RequeuedByRecovery', 'AttemptsExhausted')
                     AND e.recorded_at > clock_timestamp() - make_interval(secs => :together_seconds)
                     AND e.job_id <> lost.id)
-           AS with_its_worker,
-       (SELECT count(*) FROM export_attempt_events s
-        WHERE s.job_id = lost.id AND s.kind = 'RequeuedByRecovery' AND s.detail = 'lost with its worker')
-           AS lost_with_worker_before
+           AS with_its_worker
 FROM lost;

@@ -3,7 +3,7 @@
 -- that failed before its rename fence hands back its attempt (Delivering, the fence still open: recovery's
 -- take-back needs it), and that hand-back is counted (migration 0013), once: only while the lease still runs, so
 -- a second call for the same attempt counts nothing. Recovery's cap counts the attempts not handed back
--- (recovery_requeue.sql). Like a renewal it changes only the lease (and that count), and only for the build that
+-- (recovery_take_back.sql). Like a renewal it changes only the lease (and that count), and only for the build that
 -- holds the attempt.
 UPDATE export_jobs
 SET lease_expires_at = clock_timestamp(),

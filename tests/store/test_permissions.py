@@ -394,7 +394,7 @@ async def test_every_documented_transition_still_commits(db, store, tenant, reco
     job = await create_job(store, tenant_id, destination_id)
     first = await drive(store, job, Status.RUNNING)
     await expire(db, job)
-    assert await recovery.requeue(job, first)
+    assert await recovery.take_back(job, first, "run-1") == "RequeuedByRecovery"
     second = await drive(store, job, Status.RUNNING)
     await stop_request(store, tenant_id, job)
     assert await store.finish_stopped(job, second, "before upload")
@@ -410,10 +410,10 @@ async def test_every_documented_transition_still_commits(db, store, tenant, reco
     job = await create_job(store, tenant_id, destination_id)
     first = await drive(store, job, Status.RUNNING)
     await expire(db, job)
-    assert await recovery.requeue(job, first)
+    assert await recovery.take_back(job, first, "run-1") == "RequeuedByRecovery"
     second = await drive(store, job, Status.RUNNING)
     await expire(db, job)
-    assert await recovery.exhaust(job, second, "run-1")
+    assert await recovery.take_back(job, second, "run-1") == "AttemptsExhausted"
     assert (await store.read_job(job)).failure_reason is FailureCode.ATTEMPTS_EXHAUSTED
 
     # Recovery resolves an expired delivery to OutcomeUnknown, and reconciliation settles it.

@@ -157,7 +157,7 @@ async def test_requeue_and_late_authorization_never_both_commit(db, store, recov
                 "UPDATE export_jobs SET lease_expires_at = clock_timestamp() + make_interval(secs => $2) "
                 "WHERE id = $1", job.id, offset)
             requeued, authorization = await asyncio.gather(
-                recovery.requeue(job.id, attempt_id), worker(store, job, attempt_id))
+                recovery.take_back(job.id, attempt_id, RUN), worker(store, job, attempt_id))
             found = kinds(await events(db, job.id))
             row = await store.read_job(job.id)
             assert ("RequeuedByRecovery" in found) + ("DeliveryAuthorized" in found) == 1, found
@@ -194,10 +194,10 @@ async def test_authorization_holding_the_row_makes_the_requeue_wait_then_match_n
                     not_after=None) as (conn, pid):
         await eventually(lambda: lease_current(db, job.id), lambda current: current is False, timeout=WAIT,
                          what="lease expiry")
-        requeue = asyncio.create_task(recovery.requeue(job.id, attempt_id))
-        await blocked_by(db, pid, "requeued AS (")
+        requeue = asyncio.create_task(recovery.take_back(job.id, attempt_id, RUN))
+        await blocked_by(db, pid, "taken AS (")
         await conn.commit()
-    assert await asyncio.wait_for(requeue, WAIT) is False
+    assert await asyncio.wait_for(requeue, WAIT) is None
     row = await store.read_job(job.id)
     assert (row.status, row.attempt_id) == (Status.DELIVERING, attempt_id)
     assert kinds(await events(db, job.id)) == ["Claimed", "DeliveryAuthorized"]
@@ -212,9 +212,9 @@ async def test_requeue_holding_the_row_makes_the_renewal_wait_then_match_nothing
     # finds another state, so the worker cannot get back to cutoff 2.
     job, attempt_id = await running(store, tenant)
     await expire(db, job.id)
-    async with held(app_engine, "recovery_requeue", job_id=job.id, expired_attempt_id=attempt_id,
-                    max_attempts=3, max_hand_backs=10, max_shared_losses=10, with_its_worker=False,
-                    lost_by=None) as (conn, pid):
+    async with held(app_engine, "recovery_take_back", job_id=job.id, expired_attempt_id=attempt_id,
+                    recovery_run_id=RUN, max_attempts=3, max_hand_backs=10, max_shared_losses=10,
+                    with_its_worker=False, lost_by=None) as (conn, pid):
         renew = asyncio.create_task(store.renew_lease(job.id, attempt_id))
         await blocked_by(db, pid, "lease_expires_at = clock_timestamp() + make_interval")
         await conn.commit()
@@ -259,7 +259,7 @@ async def test_uncommitted_renewal_makes_the_takeover_wait_and_reevaluate(db, st
     async with held(app_engine, "renew_lease", job_id=job.id, attempt_id=attempt_id, holder=None,
                     lease_seconds=5.0) as (conn, pid):
         takeover = asyncio.create_task(recovery.take_over_running(candidate, RUN))
-        await blocked_by(db, pid, "requeued AS (")
+        await blocked_by(db, pid, "taken AS (")
         await conn.commit()
     assert await asyncio.wait_for(takeover, WAIT) is None
     row = await store.read_job(job.id)
@@ -325,7 +325,7 @@ async def test_expired_attempt_with_a_stop_request_ends_stopped(db, store, recov
     await expire(db, job.id)
     [candidate] = await recovery.nominate(limit=10)
     assert candidate.stop_request_id == stop.request_id
-    assert not await recovery.requeue(job.id, attempt_id)  # a stopped attempt is finished, not restarted
+    assert await recovery.take_back(job.id, attempt_id, RUN) is None  # a stopped attempt is finished, not restarted
     assert await recovery.take_over_running(candidate, RUN) == STOPPED
 
     row = await store.read_job(job.id)
@@ -353,9 +353,7 @@ async def test_expired_attempt_at_the_cap_ends_failed_attempts_exhausted(db, sto
         [candidate] = await recovery.nominate(limit=10)
         assert candidate.attempt_count == number
         if number < 3:
-            assert not await recovery.exhaust(job_id, attempt_id, RUN)  # under the cap
             assert await recovery.take_over_running(candidate, RUN) == REQUEUED
-    assert not await recovery.requeue(job_id, attempts[-1])  # at the cap
     assert await recovery.take_over_running(candidate, RUN) == EXHAUSTED
 
     row = await store.read_job(job_id)
@@ -468,7 +466,7 @@ async def test_a_passed_fence_is_never_taken_back_only_resolved(db, store, recov
     await expire(db, job.id)
     [candidate] = await recovery.nominate(limit=10)
     assert await recovery.take_back_before_rename(candidate, RUN) is None
-    assert not await recovery.exhaust(job.id, attempt_id, RUN)
+    assert await recovery.take_back(job.id, attempt_id, RUN) is None
     assert await recovery.resolve(job.id, attempt_id, Status.OUTCOME_UNKNOWN, "no receipt", RUN)
     assert kinds(await events(db, job.id), evidence_once=True) == [
         "Claimed", "DeliveryAuthorized", "DeliveryEvidence", "ResolvedByRecovery"]
@@ -482,17 +480,17 @@ async def test_the_fence_and_the_take_back_wait_for_each_other_and_one_wins(db, 
     job, attempt_id = await delivering(store, tenant)
     await expire(db, job.id)
     async with held(app_engine, "pass_rename_fence", **fence_params(job, attempt_id)) as (conn, pid):
-        requeue = asyncio.create_task(recovery.requeue(job.id, attempt_id))
-        await blocked_by(db, pid, "requeued AS (")
+        requeue = asyncio.create_task(recovery.take_back(job.id, attempt_id, RUN))
+        await blocked_by(db, pid, "taken AS (")
         await conn.commit()
-    assert await asyncio.wait_for(requeue, WAIT) is False
+    assert await asyncio.wait_for(requeue, WAIT) is None
     assert (await store.read_job(job.id)).status is Status.DELIVERING and await fence(db, job.id) == "passed"
 
     other, other_attempt = await delivering(store, tenant)
     await expire(db, other.id)
-    async with held(app_engine, "recovery_requeue", job_id=other.id, expired_attempt_id=other_attempt,
-                    max_attempts=3, max_hand_backs=10, max_shared_losses=10, with_its_worker=False,
-                    lost_by=None) as (conn, pid):
+    async with held(app_engine, "recovery_take_back", job_id=other.id, expired_attempt_id=other_attempt,
+                    recovery_run_id=RUN, max_attempts=3, max_hand_backs=10, max_shared_losses=10,
+                    with_its_worker=False, lost_by=None) as (conn, pid):
         passing = asyncio.create_task(store.pass_rename_fence(other.id, other_attempt, None, "worker-b/test",
                                                               {"step": "rename"}))
         await blocked_by(db, pid, "rename_fence = 'passed'")
