@@ -5,6 +5,9 @@ The export is held open (its upload paced at the partner) while malformed signal
 a fresh request ID, are sent as fast as the server takes them. The worker's resident memory (VmRSS) is read from
 /proc before and after, once the run has caught up. Signals the server refused (its per-run cap on signal events)
 are counted: each one refused after the malformed ones is a cancel the operator could not send that way.
+
+The same flood then goes to a workflow that takes the signals and does nothing with them, on a no-op worker of
+its own (bench/noop_worker.py): what the SDK alone keeps of such a flood, beside what the export's worker keeps.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError
 
-from bench.stack import full_stack
+from bench.stack import Stack, full_stack
 from bench.table import Row
 from starter.client import ExportsClient
 from store.db import make_engine
@@ -78,6 +81,36 @@ async def _cancel_by_update(handle, tenant: uuid.UUID) -> str:  # type: ignore[n
     return f"answered {answer['outcome']}"
 
 
+def _flood(tenant: uuid.UUID, malformed: int, valid: int) -> tuple[list[object], list[object]]:
+    """The malformed payloads, then the valid cancels, each with a fresh request ID."""
+    junk: list[object] = [{"request_id": "not-a-uuid", "tenant": str(tenant), "operator": "flood"}
+                          for _ in range(malformed)]
+    cancels: list[object] = [{"request_id": str(uuid.uuid4()), "tenant": str(tenant), "operator": "flood",
+                              "reason": "bench"} for _ in range(valid)]
+    return junk, cancels
+
+
+async def _sdk_alone(stack: Stack, client: Client, malformed: int, valid: int) -> list[float]:
+    """A no-op worker's memory before the flood and after each of two floods, each to a workflow of its own that
+    ignores the signals: what the SDK keeps, and whether a second flood adds to it (a leak) or not (a high-water
+    mark of the first)."""
+    await stack.spawn("bench.noop_worker", stack.temporal.address, "bench-flood-noop")
+    pid = stack.processes[-1].pid
+    memory: list[float] = []
+    for _ in range(2):
+        handle = await client.start_workflow("SignalSinkWorkflow", id=f"flood-sink-{uuid.uuid4()}",
+                                             task_queue="bench-flood-noop")
+        await handle.describe()
+        if not memory:
+            memory.append(await _settled_memory(pid))
+        junk, cancels = _flood(stack.tenant, malformed, valid)
+        await _send(handle, junk)
+        await _send(handle, cancels)
+        memory.append(await _settled_memory(pid))
+        await handle.terminate("the flood's baseline measured")
+    return memory
+
+
 async def measure(*, malformed: int, valid: int) -> Row:
     async with full_stack("flood", contacts=2000) as stack:
         # The cancel Update, which this release ships for the next to activate, is activated early here: the row
@@ -99,15 +132,13 @@ async def measure(*, malformed: int, valid: int) -> Row:
                 await asyncio.sleep(0.2)
             before = await _settled_memory(worker_pid)
             handle = client.get_workflow_handle(export_workflow_id(job))
-            junk: list[object] = [{"request_id": "not-a-uuid", "tenant": str(stack.tenant), "operator": "flood"}
-                                  for _ in range(malformed)]
+            junk, cancels = _flood(stack.tenant, malformed, valid)
             refused_junk = await _send(handle, junk)
-            cancels: list[object] = [{"request_id": str(uuid.uuid4()), "tenant": str(stack.tenant),
-                                      "operator": "flood", "reason": "bench"} for _ in range(valid)]
             refused_valid = await _send(handle, cancels)
             by_update = await _cancel_by_update(handle, stack.tenant)
             after = await _settled_memory(worker_pid)
             status = await stack.admin.fetchval("SELECT status FROM export_jobs WHERE id = $1", job)
+            sink = await _sdk_alone(stack, client, malformed, valid)
         finally:
             await engine.dispose()
     row = Row("C2", f"worker memory growth after {malformed:,} malformed and {valid:,} valid cancel signals", "MB",
@@ -116,4 +147,7 @@ async def measure(*, malformed: int, valid: int) -> Row:
     row.notes.append(f"worker {before:.0f} MB before, {after:.0f} MB after; the server refused {refused_junk} of the "
                      f"malformed and {refused_valid} of the valid signals (its cap on a run's signals); then a cancel "
                      f"by Update: {by_update}; the export ended {status}")
+    row.notes.append(f"the SDK alone: a no-op worker whose workflow ignores the same flood, {sink[0]:.0f} MB before, "
+                     f"{sink[1]:.0f} MB after (+{max(0.0, sink[1] - sink[0]):.0f} MB); the same flood again to "
+                     f"another workflow: {sink[2]:.0f} MB (+{max(0.0, sink[2] - sink[1]):.0f} MB more)")
     return row

@@ -4,7 +4,9 @@
 - `ShapedNoopWorkflow(shape)`: no-op activities in an export's shape as Temporal sees it: some on the workflow's
   queue, the rest on a second queue (as the build, cutoff 2 and the delivery run on the building worker's own
   queue), and the same number of workflow tasks that update a search attribute. What no work at all costs in
-  that shape: the most any export of that shape could reach on the same server.
+  that shape: the most any export of that shape could reach on the same server;
+- `SignalSinkWorkflow()`: takes `cancel` signals and does nothing with them until `finish`: C2's baseline, what a
+  flood of signals costs a worker's memory in the SDK alone.
 
     python -m bench.noop_worker <temporal address> <task queue>
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from datetime import timedelta
+from typing import Any
 
 from pydantic import BaseModel
 from temporalio import activity, workflow
@@ -70,9 +73,29 @@ class ShapedNoopWorkflow:
         return len(queues)
 
 
+@workflow.defn
+class SignalSinkWorkflow:
+    def __init__(self) -> None:
+        self._taken = 0
+        self._finished = False
+
+    @workflow.signal
+    def cancel(self, payload: Any) -> None:
+        self._taken += 1
+
+    @workflow.signal
+    def finish(self) -> None:
+        self._finished = True
+
+    @workflow.run
+    async def run(self) -> int:
+        await workflow.wait_condition(lambda: self._finished)
+        return self._taken
+
+
 async def main(address: str, task_queue: str) -> None:
     client = await Client.connect(address, data_converter=pydantic_data_converter)
-    workflows = [NoopWorkflow, ShapedNoopWorkflow]
+    workflows = [NoopWorkflow, ShapedNoopWorkflow, SignalSinkWorkflow]
     await asyncio.gather(Worker(client, task_queue=task_queue, workflows=workflows, activities=[noop]).run(),
                          Worker(client, task_queue=own_queue(task_queue), activities=[noop]).run())
 
