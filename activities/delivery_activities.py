@@ -29,13 +29,21 @@ from store.models import AuthorizationResult, BuiltFile, FailureCode, JobRow, St
 log = logging.getLogger(__name__)
 
 
-def hands_back(result: DeliveryResult, job: JobRow, holder: str | None) -> str | None:
+def hands_back(result: DeliveryResult, job: JobRow, holder: str | None, max_hand_backs: int) -> str | None:
     """The holder under which a delivery that ended without its rename hands its attempt back rather than end the
-    export OutcomeUnknown, or None when it does not: it did not deliver, but cannot tell how the final name looks
-    (no fresh listing) or why (a file there that is not its own). A proven NotDelivered is an outcome the evidence
-    gives, and stands. Only an attempt that holds its row hands back, and only an original's: recovery takes back
-    no replacement (recovery_take_back.sql)."""
-    if result.before_rename and result.outcome == "OutcomeUnknown" and job.replaces_job_id is None:
+    export for a person, or None when it does not. Only an attempt that holds its row hands back, and only an
+    original's: recovery takes back no replacement (recovery_take_back.sql). Two such ends:
+    - it cannot tell how the final name looks (no fresh listing) or why (a file there that is not its own): handed
+      back always, else OutcomeUnknown; the hand-back cap ends a partner that keeps doing it AttemptsExhausted;
+    - it proved nothing delivered, but its tries met a fault that may pass (a cut, a timeout: `retry_safe`): handed
+      back while the export has a hand-back left after this one, for its next attempt (a recovery interval later)
+      to deliver, else NotDelivered, as the evidence says; that a partner that is never back ends so.
+    A NotDelivered the partner's own refusal proves stands."""
+    if not result.before_rename or job.replaces_job_id is not None:
+        return None
+    if result.outcome == "OutcomeUnknown":
+        return holder
+    if result.retry_safe and job.handed_back_count + 1 < max_hand_backs:
         return holder
     return None
 
@@ -296,7 +304,7 @@ class DeliveryActivities(ExportActivitiesBase):
                         ))
                         if not await self._try_again(result, number, lease, record_evidence, job.id, attempt_id):
                             break
-                if (holder := hands_back(result, job, file.holder)) is not None:
+                if (holder := hands_back(result, job, file.holder, self.settings.max_hand_backs)) is not None:
                     return await self._hand_back(job.id, attempt_id, holder, result, lease, evidence)
                 await self.checkpoints.reached(checkpoints.AFTER_RECEIPT, job.id)
                 outcome = Status(result.outcome)

@@ -36,27 +36,28 @@ async def replacement_of(h: Harness, original: uuid.UUID, agreement: str | None 
 
 
 @pytest.mark.spec("IU1")
-async def test_interrupted_before_rename__no_final_file_and_not_delivered(harness: Harness):
-    h = harness
-    renames = []
+async def test_interrupted_before_rename__no_final_file_and_not_delivered(db, store, client, tmp_path):
+    """Cut on every try, with no hand-back left (`max_hand_backs=1`; with one, the attempt hands itself back for the
+    next attempt to try: tests/workflows/test_delivery_retries.py): the outcome follows the evidence."""
+    renames, cuts = [], []
+    async with AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path, max_hand_backs=1)
 
-    cuts = []
+        async def cut_mid_transfer(path: str, offset: int) -> None:
+            if offset == 0:  # each try's transfer has begun: its first write never completes
+                cuts.append(path)
+                h.partner.close_connections()
 
-    async def cut_mid_transfer(path: str, offset: int) -> None:
-        if offset == 0:  # each try's transfer has begun: its first write never completes (a try cut once is
-            cuts.append(path)  # tried again: tests/workflows/test_delivery_retries.py)
-            h.partner.close_connections()
+        async def count_rename(old: str, new: str) -> None:
+            renames.append(new)
 
-    async def count_rename(old: str, new: str) -> None:
-        renames.append(new)
-
-    h.partner.hooks.on_write, h.partner.hooks.before_rename = cut_mid_transfer, count_rename
-    job_id = await h.create()
-    row = await h.settled(job_id)
-    assert cuts and renames == []  # the transfer was cut, and the rename never ran
-    assert not (outbound(h.partner) / row.final_name).exists()
-    assert (row.status, row.failure_reason) == (Status.FAILED, FailureCode.NOT_DELIVERED)
-    assert temp_names(h.partner) == []
+        h.partner.hooks.on_write, h.partner.hooks.before_rename = cut_mid_transfer, count_rename
+        job_id = await h.create()
+        row = await h.settled(job_id)
+        assert cuts and renames == []  # the transfer was cut, and the rename never ran
+        assert not (outbound(h.partner) / row.final_name).exists()
+        assert (row.status, row.failure_reason, row.attempt_count) == (Status.FAILED, FailureCode.NOT_DELIVERED, 1)
+        assert temp_names(h.partner) == []
 
 
 @pytest.mark.spec("IU2")
