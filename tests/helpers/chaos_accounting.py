@@ -120,6 +120,18 @@ class Recorded:
     authorized: float | None = None
     ended: float | None = None
     renamed: bool = False  # the attempt passed its rename fence: its rename may have been sent
+    replacement: bool = False  # a replacement's attempt: recovery resolves it, never takes it back
+    # The export's earlier attempts taken back by recovery, by how they were lost, and handed back by their worker.
+    lost_alone: int = 0
+    lost_with_worker: int = 0
+    handed_back: int = 0
+
+    @property
+    def losses(self) -> str:
+        if not (self.lost_alone or self.lost_with_worker or self.handed_back):
+            return ""
+        return (f"; before it {self.lost_alone} lost alone, {self.lost_with_worker} lost with their worker, "
+                f"{self.handed_back} handed back")
 
 
 def _step(detail: str | None) -> object:
@@ -136,8 +148,9 @@ def recorded_outcome(row: dict[str, Any], events: list[dict[str, Any]]) -> Recor
     attempt = row.get("attempt_id")
     status = str(row["status"])
     reason = row.get("failure_reason")
+    replacement = row.get("replaces_job_id") is not None
     if attempt is None:
-        return Recorded(status, None)
+        return Recorded(status, None, replacement=replacement)
     mine = [e for e in events if e["attempt_id"] == attempt]
     claimed = next((e for e in mine if e["kind"] == "Claimed"), None)
     authorized = next((e for e in mine if e["kind"] == "DeliveryAuthorized"), None)
@@ -158,8 +171,11 @@ def recorded_outcome(row: dict[str, Any], events: list[dict[str, Any]]) -> Recor
     else:
         outcome, kind = "Stopped", terminal["kind"]
     renamed = any(e["kind"] == "DeliveryEvidence" and _step(e.get("detail")) == "rename" for e in mine)
+    taken_back = [e.get("detail") for e in events if e["kind"] == "RequeuedByRecovery"]
     return Recorded(
-        outcome=outcome, terminal=kind, attempt_id=attempt, renamed=renamed,
+        outcome=outcome, terminal=kind, attempt_id=attempt, renamed=renamed, replacement=replacement,
+        lost_alone=taken_back.count("lost alone"), lost_with_worker=taken_back.count("lost with its worker"),
+        handed_back=sum(e["kind"] == "DeliveryEvidence" and _step(e.get("detail")) == "handed_back" for e in events),
         pid=worker_pid(claimed["worker_id"]) if claimed else None,
         claimed=_epoch(claimed["recorded_at"]) if claimed else None,
         authorized=_epoch(authorized["recorded_at"]) if authorized else None,
@@ -242,6 +258,13 @@ class Accounting:
         for label, renamed in (("past the rename fence", True), ("before the rename fence", False)):
             n = sum(1 for x in self.needed if x.recorded.renamed is renamed)
             out.append(f"    {label:<30} {self.per_thousand(n):7.1f}  ({n})")
+        # A replacement that found its original's file at the final name and could not tell it was the original's:
+        # its outcome follows from the original's, past its fence.
+        n = sum(1 for x in self.needed if not x.recorded.renamed and x.through is not None
+                and x.through in self.recorded and self.recorded[x.through].renamed)
+        out.append(f"    {'  through an original past it':<30} {self.per_thousand(n):7.1f}  ({n})")
+        n = sum(1 for x in self.needed if not x.recorded.renamed and x.recorded.replacement and x.through is None)
+        out.append(f"    {'  a replacement, its own':<30} {self.per_thousand(n):7.1f}  ({n})")
         for cause, n in sorted(self.by_cause().items(),
                                key=lambda item: PRIORITY.index(item[0]) if item[0] in PRIORITY else len(PRIORITY)):
             label = cause if cause == "unattributed" else f"caused by {cause}"
@@ -258,10 +281,11 @@ class Accounting:
             window = (f"{r.claimed - t0:.1f}s-{r.ended - t0:.1f}s" if r.claimed is not None and r.ended is not None
                       else "?")
             through = f", through its original {n.through}" if n.through else ""
-            fence = "past its rename fence" if r.renamed else "before its rename fence"
+            fence = ("past its rename fence" if r.renamed else "before its rename fence") + (
+                ", a replacement" if r.replacement else "")
             out.append(f"operator needed: {n.job_id} {r.outcome} by {r.terminal} (worker pid {r.pid}, attempt "
                        f"{window}, {fence}{through}): " + ("; ".join(f.describe(t0) for f in n.causes[:3])
-                                                   or "NO FAULT EXPLAINS IT"))
+                                                   or "NO FAULT EXPLAINS IT") + r.losses)
         return out
 
 
