@@ -536,6 +536,25 @@ async def chaos_window(c: Chaos) -> None:
 
 TRANSIENT_FAULTS = ("worker crash", "worker pause", "database cut", "partner cut", "Temporal restart")
 EARLY_BUILD = 0.5  # seconds: a build started this recently is far from cutoff 2 (a build takes about 0.9 s here)
+# The transient profile's faults whose aim may miss: a partner cut is armed on a read of the rows, and an export
+# read before its rename fence may pass it before the cut comes; more than this, and the profile fails.
+MISSED_AIMS = 1
+
+
+def landed_past_the_fence(fault: Fault, events: list[dict[str, Any]], attempt_id: uuid.UUID | None) -> bool:
+    """Whether the attempt passed its rename fence (its "step rename" record) before the fault began."""
+    def step(detail: str | None) -> object:
+        try:
+            found = json.loads(detail or "")
+        except ValueError:
+            return None
+        return found.get("step") if isinstance(found, dict) else None
+
+    fences = [e["recorded_at"].timestamp() for e in events if e["attempt_id"] == attempt_id
+              and e["kind"] == "DeliveryEvidence" and step(e.get("detail")) == "rename"]
+    return bool(fences) and min(fences) <= fault.start
+
+
 RENAME_QUIET = 0.5  # seconds since the partner's last rename: its attempt has taken its receipt and hung up
 
 
@@ -1068,12 +1087,20 @@ async def account_outcomes(c: Chaos, rows: dict[uuid.UUID, dict[str, Any]]) -> t
         violations.append(("attribution", f"export {n.job_id}: {r.outcome} recorded by {r.terminal} on worker pid "
                                           f"{r.pid} (attempt {window}), and no injected fault explains it | events "
                                           f"{kinds}"))
+    missed: list[uuid.UUID] = []
     if PROFILE.transient:
         causes_of = {n.job_id: n.causes for n in acc.needed}
         for job_id, r in acc.recorded.items():
             if r.outcome in NOT_TO_DELIVER or r.outcome == "Completed":
                 continue
             aimed = c.exposed.get(job_id)
+            if aimed is not None and landed_past_the_fence(aimed, events[job_id], r.attempt_id):
+                # The aim read the export before its rename fence, and it passed the fence before the fault came
+                # (the partner cut is armed on a read of the rows): a fault in its rename window after all.
+                missed.append(job_id)
+                c.note(f"aim missed: {aimed.describe(c.wall0)} landed past the rename fence of {job_id}, "
+                       f"which ended {r.outcome}")
+                continue
             near = "; ".join(f.describe(c.wall0) for f in causes_of.get(job_id, [])[:3]) or "none"
             kinds = [f"{e['kind']}@{str(e['attempt_id'])[:8]}" for e in events[job_id]
                      if e["kind"] != "DeliveryEvidence"]
@@ -1081,11 +1108,18 @@ async def account_outcomes(c: Chaos, rows: dict[uuid.UUID, dict[str, Any]]) -> t
                                             f"{r.pid}; the fault aimed at it: "
                                             f"{aimed.describe(c.wall0) if aimed else 'none'}; faults in its last "
                                             f"attempt's window: {near} | events {kinds}"))
-    if acc.confirmed_share < PROFILE.confirmed_floor:
-        violations.append(("confirmations", f"{acc.confirmed} of {acc.to_deliver} exports to deliver confirmed "
-                                            f"Completed by the system ({100 * acc.confirmed_share:.0f}%), under the "
+    if len(missed) > MISSED_AIMS:
+        violations.append(("transient", f"{len(missed)} faults landed past the rename fence they were aimed before "
+                                        f"(at most {MISSED_AIMS}): the profile no longer tests what it says"))
+    to_deliver = acc.to_deliver - len(missed)
+    share = acc.confirmed / to_deliver if to_deliver else 1.0
+    if share < PROFILE.confirmed_floor:
+        violations.append(("confirmations", f"{acc.confirmed} of {to_deliver} exports to deliver confirmed "
+                                            f"Completed by the system ({100 * share:.0f}%), under the "
                                             f"profile's floor of {100 * PROFILE.confirmed_floor:.0f}%; recorded: "
-                                            f"{dict(acc.outcomes)}"))
+                                            f"{dict(acc.outcomes)}"
+                                            + (f"; {len(missed)} whose fault missed its aim left out" if missed
+                                               else "")))
     return acc, violations
 
 
@@ -1372,3 +1406,21 @@ def test_the_outcome_accounting_attributes_only_what_a_fault_explains():
     # Every delivery unknown: nothing confirmed, whatever explains each one.
     acc = accounted({j: export("OutcomeUnknown") for j in (uuid.uuid4(), uuid.uuid4())}, cut)
     assert acc.confirmed_share == 0.0 and not acc.unattributed
+
+
+def test_a_fault_that_came_after_the_rename_fence_passed_missed_its_aim():
+    """The transient profile's check for a partner cut armed before an export's fence that came after it."""
+    from datetime import UTC, datetime
+
+    attempt = uuid.uuid4()
+    passed = datetime(2026, 12, 4, 3, 0, 0, tzinfo=UTC)
+    fence = {"attempt_id": attempt, "kind": "DeliveryEvidence", "detail": json.dumps({"step": "rename"}),
+             "recorded_at": passed}
+    upload = {"attempt_id": attempt, "kind": "DeliveryEvidence", "detail": json.dumps({"step": "baseline"}),
+              "recorded_at": passed - timedelta(seconds=1)}
+    after = Fault("partner cut", start=passed.timestamp() + 0.01, end=passed.timestamp() + 0.01)
+    before = Fault("partner cut", start=passed.timestamp() - 0.5, end=passed.timestamp() - 0.5)
+    assert landed_past_the_fence(after, [upload, fence], attempt)
+    assert not landed_past_the_fence(before, [upload, fence], attempt)
+    assert not landed_past_the_fence(after, [upload], attempt)  # never passed its fence
+    assert not landed_past_the_fence(after, [upload, fence], uuid.uuid4())  # another attempt's fence
