@@ -52,7 +52,7 @@ from starter.localstack.ports import free_port
 from starter.localstack.seed import seed_destination
 from starter.localstack.temporal import LocalTemporal
 from store.models import CancellationOutcome, CancellationResult, FailureCode, Status
-from tests.helpers.chaos_accounting import NOT_TO_DELIVER, Accounting, Fault, account, worker_pid
+from tests.helpers.chaos_accounting import NOT_TO_DELIVER, Accounting, Fault, account, evidence_step, worker_pid
 from tests.helpers.faults import PgFaultProxy, fault_proxy
 from tests.helpers.harness import Harness, WorkerProcess, open_harness, run_recovery
 from tests.helpers.support import CHAOS_REPORT
@@ -543,15 +543,8 @@ MISSED_AIMS = 1
 
 def landed_past_the_fence(fault: Fault, events: list[dict[str, Any]], attempt_id: uuid.UUID | None) -> bool:
     """Whether the attempt passed its rename fence (its "step rename" record) before the fault began."""
-    def step(detail: str | None) -> object:
-        try:
-            found = json.loads(detail or "")
-        except ValueError:
-            return None
-        return found.get("step") if isinstance(found, dict) else None
-
     fences = [e["recorded_at"].timestamp() for e in events if e["attempt_id"] == attempt_id
-              and e["kind"] == "DeliveryEvidence" and step(e.get("detail")) == "rename"]
+              and e["kind"] == "DeliveryEvidence" and evidence_step(e.get("detail")) == "rename"]
     return bool(fences) and min(fences) <= fault.start
 
 

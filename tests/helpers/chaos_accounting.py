@@ -134,7 +134,8 @@ class Recorded:
                 f"{self.handed_back} handed back")
 
 
-def _step(detail: str | None) -> object:
+def evidence_step(detail: str | None) -> object:
+    """The `step` of an evidence record's detail, None where it has none."""
     try:
         value = json.loads(detail or "")
     except ValueError:
@@ -170,12 +171,13 @@ def recorded_outcome(row: dict[str, Any], events: list[dict[str, Any]]) -> Recor
         outcome, kind = status, None  # requeued, then canceled while queued
     else:
         outcome, kind = "Stopped", terminal["kind"]
-    renamed = any(e["kind"] == "DeliveryEvidence" and _step(e.get("detail")) == "rename" for e in mine)
+    renamed = any(e["kind"] == "DeliveryEvidence" and evidence_step(e.get("detail")) == "rename" for e in mine)
     taken_back = [e.get("detail") for e in events if e["kind"] == "RequeuedByRecovery"]
     return Recorded(
         outcome=outcome, terminal=kind, attempt_id=attempt, renamed=renamed, replacement=replacement,
         lost_alone=taken_back.count("lost alone"), lost_with_worker=taken_back.count("lost with its worker"),
-        handed_back=sum(e["kind"] == "DeliveryEvidence" and _step(e.get("detail")) == "handed_back" for e in events),
+        handed_back=sum(e["kind"] == "DeliveryEvidence" and evidence_step(e.get("detail")) == "handed_back"
+                        for e in events),
         pid=worker_pid(claimed["worker_id"]) if claimed else None,
         claimed=_epoch(claimed["recorded_at"]) if claimed else None,
         authorized=_epoch(authorized["recorded_at"]) if authorized else None,
