@@ -150,10 +150,9 @@ class Database:
                     **params: Any) -> Written[int] | Written[int | None]:
         """Run one conditional statement and answer what it did.
 
-        Alone (no `conn`), it commits on its own: a single statement is atomic without a transaction block (its
-        deferred checks run at its implicit commit), so BEGIN and COMMIT would only add two round trips. With
-        `conn`, it is one statement of that transaction. With `reread`, an uncertain answer (errors.is_uncertain:
-        the statement may or may not have committed) is not raised: the row is asked, bounded by
+        Alone (no `conn`), it commits on its own (`_alone`). With `conn`, it is one statement of that transaction.
+        With `reread`, an uncertain answer (errors.is_uncertain: the statement may or may not have committed) is
+        not raised: the row is asked, bounded by
         reread_timeout_seconds so that no caller hangs with the database away, and the caller decides from the row.
         Without it, or for any definite error, the error is raised as its domain error."""
         with sql_span(name):
@@ -164,8 +163,7 @@ class Database:
                     return Written((await conn.execute(statement(name), params)).rowcount)
             try:
                 with translated():
-                    async with self.engine.connect() as own:
-                        own = await own.execution_options(isolation_level="AUTOCOMMIT")
+                    async with self._alone() as own:
                         count = (await own.execute(statement(name), params)).rowcount
             except Exception as exc:
                 if reread is None or not errors.is_uncertain(exc):
@@ -181,10 +179,17 @@ class Database:
         """Run one conditional statement alone (it commits on its own, as `write` does) whose answer is a row: what
         it did, or None when it matched nothing. An uncertain answer is raised, as `write` does without a re-read."""
         with sql_span(name), translated():
-            async with self.engine.connect() as own:
-                own = await own.execution_options(isolation_level="AUTOCOMMIT")
+            async with self._alone() as own:
                 found = (await own.execute(statement(name), params)).mappings().first()
         return dict(found) if found is not None else None
+
+    @asynccontextmanager
+    async def _alone(self) -> AsyncIterator[AsyncConnection]:
+        """A connection whose statements each commit on their own: a single statement is atomic without a
+        transaction block (its deferred checks run at its implicit commit), so BEGIN and COMMIT would only add two
+        round trips."""
+        async with self.engine.connect() as conn:
+            yield await conn.execution_options(isolation_level="AUTOCOMMIT")
 
     async def _reread(self, reread: Reread, count: int | None) -> Written[int | None]:
         try:
