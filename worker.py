@@ -106,7 +106,9 @@ async def running_worker(
     activities.checkpoints = checkpoints_for(settings.hold_at, Path(settings.work_dir))
     recovery = RecoveryActivities(
         store, Recovery(engine, max_attempts=settings.max_attempts, max_hand_backs=settings.max_hand_backs,
-                        max_shared_losses=settings.max_shared_losses, renew_seconds=settings.renew_every_seconds,
+                        max_shared_losses=settings.max_shared_losses,
+                        max_losses_amid_others=settings.max_losses_amid_others,
+                        renew_seconds=settings.renew_every_seconds,
                         together_seconds=settings.lease_seconds + settings.recovery_interval_seconds,
                         on_ended=metrics.ended), client=client,
         view_window_seconds=settings.recovery_view_window_seconds)

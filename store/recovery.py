@@ -27,6 +27,9 @@ REQUEUED = "RequeuedByRecovery"
 STOPPED = "StoppedByRecovery"
 RESOLVED = "ResolvedByRecovery"
 EXHAUSTED = "AttemptsExhausted"
+# How recovery_take_back.sql says an attempt it took back was lost (its event's detail), besides `lost alone` and
+# `lost with its worker`.
+LOST_AMID_OTHERS = "lost amid other workers' losses"
 
 _RESOLUTIONS = (Status.COMPLETED, Status.OUTCOME_UNKNOWN)
 
@@ -49,6 +52,7 @@ class Loss:
 
     holder: str | None  # the worker that held it (its worker ID)
     with_its_worker: bool  # another attempt of that worker was lost with it: the worker was lost, not the export
+    amid_others: bool = False  # a worker that never held the export was lost meanwhile: workers are being lost
 
 
 class Recovery(RoleStore):
@@ -56,19 +60,23 @@ class Recovery(RoleStore):
     (EXPORTS_DATABASE_URL), on the worker's engine."""
 
     def __init__(self, engine: AsyncEngine, *, max_attempts: int, max_hand_backs: int = 10,
-                 max_shared_losses: int = 10, renew_seconds: float = 20.0, together_seconds: float = 90.0,
+                 max_shared_losses: int = 10, max_losses_amid_others: int = 30, renew_seconds: float = 20.0,
+                 together_seconds: float = 90.0,
                  on_ended: Callable[[Status], None] = lambda status: None) -> None:
         """`on_ended` hears every settled state a takeover wrote, as JobStore's does for the attempts' own.
         `max_attempts` caps the attempts lost alone, `max_shared_losses` those lost with their worker (the worker
         lost several attempts at once: recovery_loss.sql, with the workers' renewal interval `renew_seconds`, and
         `together_seconds`, how long after one loss of a worker another still counts as lost with it: a lease and
-        a recovery interval), `max_hand_backs` those handed back by their own worker."""
-        if min(max_attempts, max_hand_backs, max_shared_losses) < 1:
-            raise ValueError("max_attempts, max_hand_backs and max_shared_losses must be at least 1")
+        a recovery interval), `max_losses_amid_others` those lost while a worker that never held the export was
+        lost too (in the same window), `max_hand_backs` those handed back by their own worker."""
+        if min(max_attempts, max_hand_backs, max_shared_losses, max_losses_amid_others) < 1:
+            raise ValueError("max_attempts, max_hand_backs, max_shared_losses and max_losses_amid_others must be at "
+                             "least 1")
         super().__init__(engine)
         self.max_attempts = max_attempts
         self.max_hand_backs = max_hand_backs
         self.max_shared_losses = max_shared_losses
+        self.max_losses_amid_others = max_losses_amid_others
         self.renew_seconds = renew_seconds
         self.together_seconds = together_seconds
         self.on_ended = on_ended
@@ -89,12 +97,13 @@ class Recovery(RoleStore):
         ]
 
     async def loss(self, job_id: UUID, attempt_id: UUID) -> Loss:
-        """How the expired attempt was lost (recovery_loss.sql): with its worker or alone, and by whom."""
+        """How the expired attempt was lost (recovery_loss.sql): with its worker or alone, amid other workers'
+        losses or not, and by whom."""
         row = await self.db.row("recovery_loss", job_id=job_id, attempt_id=attempt_id,
                                 renew_seconds=self.renew_seconds, together_seconds=self.together_seconds)
         if row is None:  # moved on since the scan, or never claimed: the takeover will match nothing
             return Loss(None, False)
-        return Loss(row["holder"], row["with_its_worker"])
+        return Loss(row["holder"], row["with_its_worker"], row["amid_others"])
 
     async def take_back(self, job_id: UUID, attempt_id: UUID, recovery_run_id: str | UUID,
                         loss: Loss | None = None) -> str | None:
@@ -105,7 +114,8 @@ class Recovery(RoleStore):
         row = await self.db.write_row(
             "recovery_take_back", job_id=job_id, expired_attempt_id=attempt_id, recovery_run_id=str(recovery_run_id),
             max_attempts=self.max_attempts, max_hand_backs=self.max_hand_backs,
-            max_shared_losses=self.max_shared_losses, with_its_worker=loss.with_its_worker, lost_by=loss.holder)
+            max_shared_losses=self.max_shared_losses, max_losses_amid_others=self.max_losses_amid_others,
+            with_its_worker=loss.with_its_worker, amid_others=loss.amid_others, lost_by=loss.holder)
         if row is None:
             return None
         if row["kind"] == EXHAUSTED:

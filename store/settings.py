@@ -68,10 +68,14 @@ class Settings(BaseSettings):
     # else that lapsed) before it ends Failed/AttemptsExhausted. An attempt lost with its worker (another attempt
     # of the same worker lapsed with it: the worker was lost, most likely not through this export) counts against
     # max_shared_losses instead, a looser cap that still ends a job which kills a busy worker every time (migration
-    # 0014). An attempt its own worker handed back before the rename (the upload failed and the final name could
-    # not be looked at) is not lost: those are capped apart, by max_hand_backs (migration 0013).
+    # 0014). Either kind lost while a worker that never held the export was lost too (in the same lease and
+    # recovery interval: workers are being lost whatever they hold) says nothing about the export and counts
+    # against max_losses_amid_others, the ceiling (migration 0015). An attempt its own worker handed back before the
+    # rename (the upload failed and the final name could not be looked at) is not lost: those are capped apart, by
+    # max_hand_backs (migration 0013).
     max_attempts: int = Field(3, ge=1)
     max_shared_losses: int = Field(10, ge=1, le=1000)
+    max_losses_amid_others: int = Field(30, ge=1, le=1000)
     max_hand_backs: int = Field(10, ge=1, le=1000)
     # How often a running step heartbeats to Temporal, which is also how often the SDK sends one (LD6). Unset: the
     # lease's renewal interval (a third of the lease at most, so that one late heartbeat is not a lost worker):

@@ -1,21 +1,27 @@
 -- An expired attempt with no stop request taken back: a Running one, or a Delivering original whose rename fence is
--- open (pass_rename_fence.sql). Under every cap it goes back to the queue with its event and a new outbox row (a new
--- message ID); at a cap it fails AttemptsExhausted, so a job that kills its worker every time (or whose partner drops
--- every upload, each attempt handed back) is not requeued forever. The caps, each counted here only: the attempts
--- lost alone (EXPORTS_MAX_ATTEMPTS), those lost with their worker (EXPORTS_MAX_SHARED_LOSSES, migration 0014:
--- `:with_its_worker` for this one, from recovery_loss.sql; the export's earlier ones from its events), and those
--- handed back by their own worker (EXPORTS_MAX_HAND_BACKS, migration 0013). Which one it did is its answer; the
--- event names the worker that lost the attempt and how.
-WITH taken AS (
-    SELECT j.id, j.attempt_id,
-           (j.attempt_count - j.handed_back_count - shared.losses >= :max_attempts
-            OR shared.losses >= :max_shared_losses
+-- open (pass_rename_fence.sql). Under every cap it is requeued with its event and a new outbox row; at a cap it
+-- fails AttemptsExhausted, so no job goes round forever. Each cap is counted here only, by how the export's attempts
+-- were lost (this one as recovery_loss.sql judged it, the earlier ones as their events say): alone
+-- (EXPORTS_MAX_ATTEMPTS), with their worker (EXPORTS_MAX_SHARED_LOSSES), amid other workers' losses
+-- (EXPORTS_MAX_LOSSES_AMID_OTHERS), or handed back by their own worker (EXPORTS_MAX_HAND_BACKS). Its answer is the
+-- event it recorded, which names the worker that lost the attempt and how.
+WITH this_loss AS (
+    SELECT CASE WHEN :amid_others THEN 'lost amid other workers'' losses'
+                WHEN :with_its_worker THEN 'lost with its worker'
+                ELSE 'lost alone' END AS detail),
+taken AS (
+    SELECT j.id, j.attempt_id, this_loss.detail,
+           (j.attempt_count - j.handed_back_count - lost.with_its_worker - lost.amid_others >= :max_attempts
+            OR lost.with_its_worker >= :max_shared_losses
+            OR lost.amid_others >= :max_losses_amid_others
             OR j.handed_back_count >= :max_hand_backs) AS at_a_cap
-    FROM export_jobs j,
-         LATERAL (SELECT count(*) + CASE WHEN :with_its_worker THEN 1 ELSE 0 END AS losses
-                  FROM export_attempt_events e
-                  WHERE e.job_id = j.id AND e.kind = 'RequeuedByRecovery'
-                    AND e.detail = 'lost with its worker') shared
+    FROM export_jobs j, this_loss,
+         -- The export's earlier losses and this one.
+         LATERAL (SELECT count(*) FILTER (WHERE detail = 'lost with its worker') AS with_its_worker,
+                         count(*) FILTER (WHERE detail = 'lost amid other workers'' losses') AS amid_others
+                  FROM (SELECT e.detail FROM export_attempt_events e
+                        WHERE e.job_id = j.id AND e.kind = 'RequeuedByRecovery'
+                        UNION ALL SELECT this_loss.detail) losses) lost
     WHERE j.id = :job_id AND j.attempt_id = :expired_attempt_id
       AND (j.status = 'Running'
            OR (j.status = 'Delivering' AND j.rename_fence = 'open' AND j.replaces_job_id IS NULL))
@@ -39,7 +45,7 @@ exhausted AS (
     WHERE j.id = taken.id AND taken.at_a_cap
     RETURNING j.id),
 done AS (
-    SELECT taken.id, taken.attempt_id, taken.at_a_cap,
+    SELECT taken.id, taken.attempt_id, taken.at_a_cap, taken.detail,
            CASE WHEN taken.at_a_cap THEN 'AttemptsExhausted' ELSE 'RequeuedByRecovery' END AS kind
     FROM taken
     WHERE taken.id IN (SELECT id FROM requeued UNION ALL SELECT id FROM exhausted)),
@@ -47,7 +53,7 @@ event AS (
     INSERT INTO export_attempt_events (job_id, attempt_id, kind, worker_id, observed_by, detail, recorded_at)
     SELECT id, attempt_id, kind, :lost_by,
            CASE WHEN at_a_cap THEN :recovery_run_id END,
-           CASE WHEN :with_its_worker THEN 'lost with its worker' ELSE 'lost alone' END, clock_timestamp()
+           detail, clock_timestamp()
     FROM done),
 -- A requeue's row is the export's next message; a failure's wakes its workflow (a new run if it has closed, say
 -- terminated): its result and search attributes follow the row.

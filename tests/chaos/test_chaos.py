@@ -52,6 +52,7 @@ from starter.localstack.ports import free_port
 from starter.localstack.seed import seed_destination
 from starter.localstack.temporal import LocalTemporal
 from store.models import CancellationOutcome, CancellationResult, FailureCode, Status
+from store.recovery import LOST_AMID_OTHERS
 from tests.helpers.chaos_accounting import NOT_TO_DELIVER, Accounting, Fault, account, evidence_step, worker_pid
 from tests.helpers.faults import PgFaultProxy, fault_proxy
 from tests.helpers.harness import Harness, WorkerProcess, open_harness, run_recovery
@@ -796,7 +797,8 @@ ENDS = {"Q": {Status.QUEUED}, "S": {Status.STOPPED}, "F": {Status.FAILED}, "E": 
 
 
 def sequence_problems(events: list[dict[str, Any]], row: dict[str, Any], max_attempts: int,
-                      max_hand_backs: int = 10, max_shared_losses: int = 10) -> list[str]:
+                      max_hand_backs: int = 10, max_shared_losses: int = 10,
+                      max_losses_amid_others: int = 30) -> list[str]:
     """What is wrong with an export's events as a history of its attempts: each attempt's sequence is one the
     statements can write, every attempt but the row's current one was requeued, the last one ends in the row's
     status, and no more attempts than the cap."""
@@ -821,19 +823,23 @@ def sequence_problems(events: list[dict[str, Any]], row: dict[str, Any], max_att
         problems.append(f"the row is {status} but its attempt's events are {attempts.get(current)}")
     if current is None and status not in (Status.CANCELED, Status.REJECTED, Status.QUEUED):
         problems.append(f"the row is {status} without an attempt")
-    # The cap counts the attempts lost alone; those lost with their worker (recovery's event says so) and those
-    # their worker handed back before the rename have caps of their own.
+    # The cap counts the attempts lost alone; those lost with their worker or amid other workers' losses
+    # (recovery's event says so) and those their worker handed back before the rename have caps of their own.
     handed_back = row.get("handed_back_count", 0)
-    with_worker = sum(1 for e in events
-                      if e["kind"] == "RequeuedByRecovery" and e.get("detail") == "lost with its worker")
-    if len(attempts) > max_attempts + handed_back + with_worker or len(attempts) != row["attempt_count"]:
+    taken_back = [e.get("detail") for e in events if e["kind"] == "RequeuedByRecovery"]
+    with_worker, amid = taken_back.count("lost with its worker"), taken_back.count(LOST_AMID_OTHERS)
+    if len(attempts) > max_attempts + handed_back + with_worker + amid or len(attempts) != row["attempt_count"]:
         problems.append(f"{len(attempts)} attempts with events, the row counts {row['attempt_count']} "
-                        f"(cap {max_attempts}, and {handed_back} handed back, {with_worker} lost with their worker)")
+                        f"(cap {max_attempts}, and {handed_back} handed back, {with_worker} lost with their worker, "
+                        f"{amid} amid other workers' losses)")
     if handed_back > max_hand_backs:
         problems.append(f"{handed_back} attempts handed back, over the cap of {max_hand_backs}")
     if with_worker >= max_shared_losses:
         problems.append(f"{with_worker} attempts lost with their worker and requeued, at or over the cap of "
                         f"{max_shared_losses}")
+    if amid >= max_losses_amid_others:
+        problems.append(f"{amid} attempts lost amid other workers' losses and requeued, at or over the cap of "
+                        f"{max_losses_amid_others}")
     return problems
 
 
@@ -902,7 +908,7 @@ async def check_invariants(c: Chaos) -> tuple[list[Violation], list[str], dict[s
             ev(job_id, "settled", f"still {status}")
 
         for problem in sequence_problems(evts, row, c.h.settings.max_attempts, c.h.settings.max_hand_backs,
-                                         c.h.settings.max_shared_losses):
+                                         c.h.settings.max_shared_losses, c.h.settings.max_losses_amid_others):
             ev(job_id, "attempts", problem)
 
         # Never a second rename (an attempt taken back may have uploaded to its temporary name); one terminal per
@@ -1336,6 +1342,9 @@ def test_the_event_sequence_check_refuses_what_no_statement_writes():
     assert sequence_problems(shared[:12], row(Status.QUEUED, None, 3), 1, 10, 4) == []
     assert sequence_problems(shared, row(Status.QUEUED, None, 4), 1, 10, 4)
     assert sequence_problems(four, row(Status.QUEUED, None, 4), 1, 10, 4)  # lost alone: over the cap of 1
+    amid = [{**e, "detail": LOST_AMID_OTHERS} if e["kind"] == "RequeuedByRecovery" else e for e in four]
+    assert sequence_problems(amid, row(Status.QUEUED, None, 4), 1, 10, 4, 5) == []
+    assert sequence_problems(amid, row(Status.QUEUED, None, 4), 1, 10, 4, 4)
     for events, final, why in (
         (history((first, "CBAEA")), row(Status.COMPLETED, first, 1), "authorized twice"),
         (history((first, "CAE")), row(Status.COMPLETED, first, 1), "authorized without a build"),

@@ -52,6 +52,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from store.recovery import LOST_AMID_OTHERS
+
 MARGIN = 1.0  # seconds either side of an attempt's window: recording order and the moment a fault takes effect
 
 # Fault classes, most specific first: the order in which a cause is chosen among several.
@@ -124,14 +126,15 @@ class Recorded:
     # The export's earlier attempts taken back by recovery, by how they were lost, and handed back by their worker.
     lost_alone: int = 0
     lost_with_worker: int = 0
+    lost_amid_others: int = 0
     handed_back: int = 0
 
     @property
     def losses(self) -> str:
-        if not (self.lost_alone or self.lost_with_worker or self.handed_back):
+        if not (self.lost_alone or self.lost_with_worker or self.lost_amid_others or self.handed_back):
             return ""
         return (f"; before it {self.lost_alone} lost alone, {self.lost_with_worker} lost with their worker, "
-                f"{self.handed_back} handed back")
+                f"{self.lost_amid_others} amid other workers' losses, {self.handed_back} handed back")
 
 
 def evidence_step(detail: str | None) -> object:
@@ -176,6 +179,7 @@ def recorded_outcome(row: dict[str, Any], events: list[dict[str, Any]]) -> Recor
     return Recorded(
         outcome=outcome, terminal=kind, attempt_id=attempt, renamed=renamed, replacement=replacement,
         lost_alone=taken_back.count("lost alone"), lost_with_worker=taken_back.count("lost with its worker"),
+        lost_amid_others=taken_back.count(LOST_AMID_OTHERS),
         handed_back=sum(e["kind"] == "DeliveryEvidence" and evidence_step(e.get("detail")) == "handed_back"
                         for e in events),
         pid=worker_pid(claimed["worker_id"]) if claimed else None,

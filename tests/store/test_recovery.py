@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from store.jobs import JobStore
 from store.models import AuthorizationResult, BuiltFile, CancellationOutcome, ClaimResult, JobRow, Status
-from store.recovery import EXHAUSTED, REQUEUED, STOPPED, Candidate, Recovery
+from store.recovery import EXHAUSTED, LOST_AMID_OTHERS, REQUEUED, STOPPED, Candidate, Recovery
 from store.statements import statement
 from tests.helpers.events import events, kinds
 from tests.helpers.store_states import expire, outbox
@@ -195,7 +195,7 @@ async def test_authorization_holding_the_row_makes_the_requeue_wait_then_match_n
         await eventually(lambda: lease_current(db, job.id), lambda current: current is False, timeout=WAIT,
                          what="lease expiry")
         requeue = asyncio.create_task(recovery.take_back(job.id, attempt_id, RUN))
-        await blocked_by(db, pid, "taken AS (")
+        await blocked_by(db, pid, "this_loss AS (")
         await conn.commit()
     assert await asyncio.wait_for(requeue, WAIT) is None
     row = await store.read_job(job.id)
@@ -214,7 +214,7 @@ async def test_requeue_holding_the_row_makes_the_renewal_wait_then_match_nothing
     await expire(db, job.id)
     async with held(app_engine, "recovery_take_back", job_id=job.id, expired_attempt_id=attempt_id,
                     recovery_run_id=RUN, max_attempts=3, max_hand_backs=10, max_shared_losses=10,
-                    with_its_worker=False, lost_by=None) as (conn, pid):
+                    max_losses_amid_others=30, with_its_worker=False, amid_others=False, lost_by=None) as (conn, pid):
         renew = asyncio.create_task(store.renew_lease(job.id, attempt_id))
         await blocked_by(db, pid, "lease_expires_at = clock_timestamp() + make_interval")
         await conn.commit()
@@ -259,7 +259,7 @@ async def test_uncommitted_renewal_makes_the_takeover_wait_and_reevaluate(db, st
     async with held(app_engine, "renew_lease", job_id=job.id, attempt_id=attempt_id, holder=None,
                     lease_seconds=5.0) as (conn, pid):
         takeover = asyncio.create_task(recovery.take_over_running(candidate, RUN))
-        await blocked_by(db, pid, "taken AS (")
+        await blocked_by(db, pid, "this_loss AS (")
         await conn.commit()
     assert await asyncio.wait_for(takeover, WAIT) is None
     row = await store.read_job(job.id)
@@ -481,7 +481,7 @@ async def test_the_fence_and_the_take_back_wait_for_each_other_and_one_wins(db, 
     await expire(db, job.id)
     async with held(app_engine, "pass_rename_fence", **fence_params(job, attempt_id)) as (conn, pid):
         requeue = asyncio.create_task(recovery.take_back(job.id, attempt_id, RUN))
-        await blocked_by(db, pid, "taken AS (")
+        await blocked_by(db, pid, "this_loss AS (")
         await conn.commit()
     assert await asyncio.wait_for(requeue, WAIT) is None
     assert (await store.read_job(job.id)).status is Status.DELIVERING and await fence(db, job.id) == "passed"
@@ -490,7 +490,7 @@ async def test_the_fence_and_the_take_back_wait_for_each_other_and_one_wins(db, 
     await expire(db, other.id)
     async with held(app_engine, "recovery_take_back", job_id=other.id, expired_attempt_id=other_attempt,
                     recovery_run_id=RUN, max_attempts=3, max_hand_backs=10, max_shared_losses=10,
-                    with_its_worker=False, lost_by=None) as (conn, pid):
+                    max_losses_amid_others=30, with_its_worker=False, amid_others=False, lost_by=None) as (conn, pid):
         passing = asyncio.create_task(store.pass_rename_fence(other.id, other_attempt, None, "worker-b/test",
                                                               {"step": "rename"}))
         await blocked_by(db, pid, "rename_fence = 'passed'")
@@ -636,3 +636,52 @@ async def test_a_workers_losses_count_together_across_recovery_runs(db, store, t
     assert candidate.job_id == second
     assert await recovery.take_over_running(candidate, RUN) == REQUEUED
     assert (await losses(db, second))[-1] == (REQUEUED, "host-9-bbbbbb", "lost with its worker")
+
+
+@pytest.mark.spec("RI8", "LV8")
+async def test_exports_lost_while_workers_that_never_held_them_are_lost_too_count_against_the_ceiling(
+        db, store, tenant, app_engine, ended):
+    """Workers lost on every side (the full chaos profile kills one every 1.6 s): an export's loss then says
+    nothing about the export, so it counts against the ceiling of losses amid others (4 here), not the cap of
+    losses with their worker (3) or the attempt cap (2). Two workers are lost at once each time, one holding two
+    exports, the other one; neither ever held the other's. Before, the pair ended AttemptsExhausted on their third
+    loss and the lone one on its second (seen failing)."""
+    recovery = sharing_recovery(app_engine, ended, max_losses_amid_others=4)
+    pair = [await create_job(store, *tenant) for _ in range(2)]
+    lone = await create_job(store, *tenant)
+    for life in (1, 2, 3, 4):
+        for job_id in pair:
+            await claim_as(store, job_id, f"host-{life}-aaaaaa")
+        await claim_as(store, lone, f"host-{life}-bbbbbb")
+        for job_id in (*pair, lone):
+            await expire(db, job_id)
+        taken = [await recovery.take_over_running(c, RUN) for c in await recovery.nominate(limit=10)]
+        assert taken == [REQUEUED if life < 4 else EXHAUSTED] * 3, (life, taken)
+        for job_id in (*pair, lone):
+            # The first taken over sees the other worker's attempts lapsed; the later ones, its recorded losses.
+            assert (await losses(db, job_id))[-1][2] == LOST_AMID_OTHERS, (life, job_id)
+    assert {(r.status, r.failure_reason) for r in [await store.read_job(j) for j in (*pair, lone)]} == {
+        (Status.FAILED, "AttemptsExhausted")}
+
+
+@pytest.mark.spec("RI8", "RI9")
+async def test_a_job_that_kills_every_worker_it_meets_keeps_the_cap_its_neighbours_do_not(
+        db, store, tenant, app_engine, ended):
+    """A poison job on a fleet lost only through it: every worker lost in the window once held it, so its losses
+    count against the cap of losses with their worker (3), which ends it. Each of its neighbours, lost with it
+    once, was lost while workers that never held that neighbour were lost too: amid others, requeued."""
+    recovery = sharing_recovery(app_engine, ended, max_losses_amid_others=4)
+    poison = await create_job(store, *tenant)
+    neighbours = []
+    for life in (1, 2, 3):
+        worker = f"host-{life}-cccccc"
+        neighbours.append(await create_job(store, *tenant))
+        for job_id in (poison, neighbours[-1]):
+            await claim_as(store, job_id, worker)
+            await expire(db, job_id)
+        taken = {c.job_id: await recovery.take_over_running(c, RUN) for c in await recovery.nominate(limit=10)}
+        assert taken == {poison: REQUEUED if life < 3 else EXHAUSTED, neighbours[-1]: REQUEUED}, life
+        assert (await losses(db, poison))[-1][2] == "lost with its worker"
+        assert (await losses(db, neighbours[-1]))[-1][2] == ("lost with its worker" if life == 1 else LOST_AMID_OTHERS)
+    assert (await store.read_job(poison)).failure_reason == "AttemptsExhausted"
+    assert {(await store.read_job(n)).status for n in neighbours} == {Status.QUEUED}
