@@ -1408,6 +1408,12 @@ def test_the_outcome_accounting_attributes_only_what_a_fault_explains():
     # Every delivery unknown: nothing confirmed, whatever explains each one.
     acc = accounted({j: export("OutcomeUnknown") for j in (uuid.uuid4(), uuid.uuid4())}, cut)
     assert acc.confirmed_share == 0.0 and not acc.unattributed
+    # A note says the last error the attempt's evidence recorded, where the delivery met it.
+    row, events = export("Failed", failure="NotDelivered")
+    events.insert(2, {**events[1], "kind": "DeliveryEvidence", "detail": json.dumps(
+        {"step": "fresh_listing", "failed_step": "upload", "error": "SFTPFailure: write failed"})})
+    [note] = accounted({uuid.uuid4(): (row, events)}, cut).notes(1_000_000)
+    assert note.endswith("; its evidence: upload: SFTPFailure: write failed"), note
 
 
 def test_a_fault_that_came_after_the_rename_fence_passed_missed_its_aim():

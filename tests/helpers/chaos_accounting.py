@@ -128,6 +128,7 @@ class Recorded:
     lost_with_worker: int = 0
     lost_amid_others: int = 0
     handed_back: int = 0
+    error: str = ""  # the last error the attempt's evidence recorded (where the delivery failed, and how)
 
     @property
     def losses(self) -> str:
@@ -137,13 +138,26 @@ class Recorded:
                 f"{self.lost_amid_others} amid other workers' losses, {self.handed_back} handed back")
 
 
-def evidence_step(detail: str | None) -> object:
-    """The `step` of an evidence record's detail, None where it has none."""
+def _evidence(detail: str | None) -> dict[str, Any]:
     try:
         value = json.loads(detail or "")
     except ValueError:
-        return None
-    return value.get("step") if isinstance(value, dict) else None
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def evidence_step(detail: str | None) -> object:
+    """The `step` of an evidence record's detail, None where it has none."""
+    return _evidence(detail).get("step")
+
+
+def last_error(events: list[dict[str, Any]]) -> str:
+    """The last error an attempt's evidence records (its events), with the step that met it; "" if none."""
+    for e in reversed(events):
+        record = _evidence(e.get("detail")) if e["kind"] == "DeliveryEvidence" else {}
+        if record.get("error"):
+            return f"{record.get('failed_step', record.get('step'))}: {record['error']}"
+    return ""
 
 
 def recorded_outcome(row: dict[str, Any], events: list[dict[str, Any]]) -> Recorded:
@@ -179,7 +193,7 @@ def recorded_outcome(row: dict[str, Any], events: list[dict[str, Any]]) -> Recor
     return Recorded(
         outcome=outcome, terminal=kind, attempt_id=attempt, renamed=renamed, replacement=replacement,
         lost_alone=taken_back.count("lost alone"), lost_with_worker=taken_back.count("lost with its worker"),
-        lost_amid_others=taken_back.count(LOST_AMID_OTHERS),
+        lost_amid_others=taken_back.count(LOST_AMID_OTHERS), error=last_error(mine),
         handed_back=sum(e["kind"] == "DeliveryEvidence" and evidence_step(e.get("detail")) == "handed_back"
                         for e in events),
         pid=worker_pid(claimed["worker_id"]) if claimed else None,
@@ -291,7 +305,8 @@ class Accounting:
                 ", a replacement" if r.replacement else "")
             out.append(f"operator needed: {n.job_id} {r.outcome} by {r.terminal} (worker pid {r.pid}, attempt "
                        f"{window}, {fence}{through}): " + ("; ".join(f.describe(t0) for f in n.causes[:3])
-                                                   or "NO FAULT EXPLAINS IT") + r.losses)
+                                                   or "NO FAULT EXPLAINS IT") + r.losses
+                       + (f"; its evidence: {r.error}" if r.error else ""))
         return out
 
 
