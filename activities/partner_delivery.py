@@ -230,9 +230,18 @@ async def _after_failure(
 
 
 # Faults that may pass between two tries: the connection cut or reset, a timeout, a temporary file that came out
-# short. Not a host key, a credential, a missing directory or a refusal by the server: another try would meet them.
+# short, a session that could not open because the connection closed meanwhile or the partner was short of
+# resources. Not a host key, a credential, a missing directory or a refusal by the server (a session
+# administratively prohibited): another try would meet them.
 _TRANSIENT = (asyncssh.ConnectionLost, asyncssh.SFTPConnectionLost, asyncssh.SFTPNoConnection, ConnectionError,
               TimeoutError, UploadIncomplete)
+_SESSION_NOT_OPENED_FOR_NOW = (asyncssh.OPEN_CONNECT_FAILED, asyncssh.OPEN_RESOURCE_SHORTAGE)
+
+
+def _may_pass(exc: BaseException) -> bool:
+    if isinstance(exc, asyncssh.ChannelOpenError):
+        return exc.code in _SESSION_NOT_OPENED_FOR_NOW
+    return isinstance(exc, _TRANSIENT)
 
 
 def _retry_safe_if_transient(result: DeliveryResult, exc: BaseException) -> DeliveryResult:
@@ -240,7 +249,7 @@ def _retry_safe_if_transient(result: DeliveryResult, exc: BaseException) -> Deli
     when its fault may pass. Never after a cancellation: the caller is being stopped."""
     if result.failure_reason != "NotDelivered" or isinstance(exc, asyncio.CancelledError):
         return result
-    if not isinstance(exc, _TRANSIENT):
+    if not _may_pass(exc):
         return result
     return result.model_copy(update={"retry_safe": True})
 

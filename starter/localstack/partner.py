@@ -43,6 +43,7 @@ class PartnerHooks:
     before_rename: Callable[[str, str], Awaitable[None]] | None = None  # (old_path, new_path)
     after_rename: Callable[[str, str], Awaitable[None]] | None = None  # the rename is done, not yet answered
     on_write: Callable[[str, int], Awaitable[None]] | None = None  # (path, offset), before writing the data
+    on_session: Callable[[], Awaitable[None]] | None = None  # a client asked for its SFTP session, not yet opened
 
 
 def _client_path(path: bytes) -> str:
@@ -139,12 +140,25 @@ class _ConnectionTracker(asyncssh.SSHServer):
     """Keeps the partner's set of open connections current, so faults can drop them, and opens its sessions."""
 
     def __init__(self, connections: set[asyncssh.SSHServerConnection],
-                 sftp_factory: Callable[[asyncssh.SSHServerChannel[bytes]], _PartnerSFTPServer]) -> None:
+                 sftp_factory: Callable[[asyncssh.SSHServerChannel[bytes]], _PartnerSFTPServer],
+                 hooks: PartnerHooks) -> None:
         self._connections = connections
         self._sftp_factory = sftp_factory
+        self._hooks = hooks
         self._conn: asyncssh.SSHServerConnection | None = None
 
-    def session_requested(self) -> _PartnerSession:
+    def session_requested(self) -> _PartnerSession | Awaitable[_PartnerSession]:
+        # With the hook set, an awaitable (asyncssh awaits it): the hook may drop the connection meanwhile. Without
+        # it, the session at once, as asyncssh opens most sessions.
+        if self._hooks.on_session is not None:
+            return self._session_after(self._hooks.on_session)
+        return self._session()
+
+    async def _session_after(self, hook: Callable[[], Awaitable[None]]) -> _PartnerSession:
+        await hook()
+        return self._session()
+
+    def _session(self) -> _PartnerSession:
         # asyncssh hands an SFTP factory the session's server channel, but types it as any SSHChannel (and types
         # SFTPServer's own channel as a server channel): the factory's type cannot satisfy both.
         return _PartnerSession(None, self._sftp_factory, sftp_version=3)  # type: ignore[arg-type]
@@ -219,7 +233,7 @@ class LocalPartner:
             server_factory=lambda: _ConnectionTracker(
                 self._connections,
                 lambda chan: _PartnerSFTPServer(chan, root=root, hooks=hooks,
-                                                offers_check_file=self.offers_check_file)),
+                                                offers_check_file=self.offers_check_file), hooks),
             allow_scp=False,
             config=[],
         )

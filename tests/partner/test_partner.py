@@ -122,6 +122,45 @@ async def test_connection_closed_mid_transfer_is_not_delivered(
     assert evidence.first("fresh_listing")["final"]["exists"] is False
 
 
+@pytest.mark.spec("LV1")
+async def test_connection_closed_while_the_session_opens_is_not_delivered_and_safe_to_try_again(
+    partner: LocalPartner, local: tuple[Path, bytes]
+) -> None:
+    """A partner's connections dropped while this client waits for its SFTP session to open (the full chaos
+    profile's partner cut met two exports so): asyncssh answers ChannelOpenError, 'SSH connection closed'. Nothing
+    was sent, and the fault may pass: another try, or a hand-back, may deliver. Before, it was taken for a refusal by
+    the partner and ended the export NotDelivered at once (seen failing)."""
+    async def drop_the_connection() -> None:
+        partner.hooks.on_session = None  # once
+        partner.close_connections()
+
+    partner.hooks.on_session = drop_the_connection
+    evidence = Evidence()
+    result = await bounded(deliver(partner.destination(), str(local[0]), "contacts-s.csv", "s.part",
+                                   record_evidence=evidence, chunk_size=CHUNK))
+    assert (result.outcome, result.failure_reason) == ("Failed", "NotDelivered"), result.summary
+    assert evidence.first("failure")["failed_step"] == "connect"
+    assert "ChannelOpenError" in evidence.first("failure")["error"]  # the fault was the one meant
+    assert result.retry_safe and result.before_rename
+    assert listdir(partner.final_dir) == [] and listdir(partner.temp_dir) == []
+
+
+async def test_a_partner_that_refuses_the_sftp_session_is_not_tried_again(
+    partner: LocalPartner, local: tuple[Path, bytes]
+) -> None:
+    """The other side: a session the partner refuses (administratively prohibited) would be refused again."""
+    async def refuse() -> None:
+        raise asyncssh.ChannelOpenError(asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED, "no sftp for you")
+
+    partner.hooks.on_session = refuse
+    evidence = Evidence()
+    result = await bounded(deliver(partner.destination(), str(local[0]), "contacts-r.csv", "r.part",
+                                   record_evidence=evidence, chunk_size=CHUNK))
+    assert (result.outcome, result.failure_reason) == ("Failed", "NotDelivered"), result.summary
+    assert "ChannelOpenError" in evidence.first("failure")["error"]
+    assert not result.retry_safe
+
+
 async def test_file_appearing_before_rename_is_never_overwritten(
     partner: LocalPartner, local: tuple[Path, bytes]
 ) -> None:
