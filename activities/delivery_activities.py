@@ -31,15 +31,15 @@ log = logging.getLogger(__name__)
 
 def hands_back(result: DeliveryResult, job: JobRow, holder: str | None, max_hand_backs: int) -> str | None:
     """The holder under which a delivery that ended without its rename hands its attempt back rather than end the
-    export for a person, or None when it does not. Only an attempt that holds its row hands back, and only an
-    original's: recovery takes back no replacement (recovery_take_back.sql). Two such ends:
+    export for a person, or None when it does not. Only an attempt that holds its row hands back; a replacement's
+    too, since its next attempt looks at its final name again before sending anything. Two such ends:
     - it cannot tell how the final name looks (no fresh listing) or why (a file there that is not its own): handed
       back always, else OutcomeUnknown; the hand-back cap ends a partner that keeps doing it AttemptsExhausted;
     - it proved nothing delivered, but its tries met a fault that may pass (a cut, a timeout: `retry_safe`): handed
       back while the export has a hand-back left after this one, for its next attempt (a recovery interval later)
       to deliver, else NotDelivered, as the evidence says; that a partner that is never back ends so.
     A NotDelivered the partner's own refusal proves stands."""
-    if not result.before_rename or job.replaces_job_id is not None:
+    if not result.before_rename:
         return None
     if result.outcome == "OutcomeUnknown":
         return holder

@@ -170,7 +170,7 @@ class Recovery(RoleStore):
     async def take_back_before_rename(self, candidate: Candidate, recovery_run_id: str | UUID) -> str | None:
         """A Delivering candidate taken back as a Running one is (requeued, or exhausted at the cap) if its rename
         fence is still open (migration 0010): the event kind it recorded, or None if it matched nothing (the fence
-        passed, a replacement, renewed or finished since the scan), and the caller resolves it from evidence."""
+        passed, renewed or finished since the scan), and the caller resolves it from evidence."""
         if candidate.status is not Status.DELIVERING:
             raise ValueError(f"export {candidate.job_id} was nominated {candidate.status}, not Delivering")
         return await self._take_back(candidate, recovery_run_id)

@@ -1,6 +1,6 @@
--- An expired attempt with no stop request taken back: a Running one, or a Delivering original whose rename fence is
--- open (pass_rename_fence.sql). Under every cap it is requeued with its event and a new outbox row; at a cap it
--- fails AttemptsExhausted, so no job goes round forever. Each cap is counted here only, by how the export's attempts
+-- An expired attempt with no stop request taken back: a Running one, or a Delivering one whose rename fence is open
+-- (pass_rename_fence.sql; a replacement's too: it never renamed). Under every cap it is requeued with its event and
+-- a new outbox row; at a cap it fails AttemptsExhausted. Each cap is counted here only, by how the export's attempts
 -- were lost (this one as recovery_loss.sql judged it, the earlier ones as their events say): alone
 -- (EXPORTS_MAX_ATTEMPTS), with their worker (EXPORTS_MAX_SHARED_LOSSES), amid other workers' losses
 -- (EXPORTS_MAX_LOSSES_AMID_OTHERS), or handed back by their own worker (EXPORTS_MAX_HAND_BACKS). Its answer is the
@@ -24,7 +24,7 @@ taken AS (
                         UNION ALL SELECT this_loss.detail) losses) lost
     WHERE j.id = :job_id AND j.attempt_id = :expired_attempt_id
       AND (j.status = 'Running'
-           OR (j.status = 'Delivering' AND j.rename_fence = 'open' AND j.replaces_job_id IS NULL))
+           OR (j.status = 'Delivering' AND j.rename_fence = 'open'))
       AND j.stop_request_id IS NULL
       AND j.lease_expires_at < clock_timestamp()
     -- The row lock orders this with a renewal, the rename fence and cutoff 2: one that commits first makes this

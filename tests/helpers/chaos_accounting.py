@@ -122,7 +122,7 @@ class Recorded:
     authorized: float | None = None
     ended: float | None = None
     renamed: bool = False  # the attempt passed its rename fence: its rename may have been sent
-    replacement: bool = False  # a replacement's attempt: recovery resolves it, never takes it back
+    replacement: bool = False  # a replacement's attempt
     # The export's earlier attempts taken back by recovery, by how they were lost, and handed back by their worker.
     lost_alone: int = 0
     lost_with_worker: int = 0

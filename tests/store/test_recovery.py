@@ -18,7 +18,7 @@ from store.models import AuthorizationResult, BuiltFile, CancellationOutcome, Cl
 from store.recovery import EXHAUSTED, LOST_AMID_OTHERS, REQUEUED, STOPPED, Candidate, Recovery
 from store.statements import statement
 from tests.helpers.events import events, kinds
-from tests.helpers.store_states import expire, outbox
+from tests.helpers.store_states import drive, expire, outbox
 from tests.helpers.support import create_job, eventually
 
 RUN = "recovery-run-1"
@@ -470,6 +470,38 @@ async def test_a_passed_fence_is_never_taken_back_only_resolved(db, store, recov
     assert await recovery.resolve(job.id, attempt_id, Status.OUTCOME_UNKNOWN, "no receipt", RUN)
     assert kinds(await events(db, job.id), evidence_once=True) == [
         "Claimed", "DeliveryAuthorized", "DeliveryEvidence", "ResolvedByRecovery"]
+
+
+@pytest.mark.spec("RI4", "RD6")
+async def test_a_replacements_open_fence_is_taken_back_and_a_passed_one_only_resolved(
+        db, store, recovery, tenant, ended):
+    """A replacement's final name may hold its original's file, but an attempt whose fence is open never renamed:
+    that file is not its doing, so it goes round like an original's (its next attempt looks at the name and
+    identifies the file before sending anything). Once its fence has passed it is resolved from evidence, as ever."""
+    tenant_id, destination_id = tenant
+    for passed in (False, True):
+        original = await create_job(store, tenant_id, destination_id)
+        await drive(store, original, Status.OUTCOME_UNKNOWN)
+        replacement = uuid.uuid4()
+        await store.create_replacement(tenant_id=tenant_id, original_job_id=original, job_id=replacement,
+                                       created_by="operator@example", replacement_reason="never confirmed")
+        attempt_id = await drive(store, replacement, Status.DELIVERING)
+        if passed:
+            assert await store.pass_rename_fence(replacement, attempt_id, None, "worker-a/test", {"step": "rename"})
+        await expire(db, replacement)
+        [candidate] = [c for c in await recovery.nominate(limit=10) if c.job_id == replacement]
+        taken = await recovery.take_back_before_rename(candidate, RUN)
+        row = await store.read_job(replacement)
+        if passed:
+            assert (taken, row.status, row.attempt_id) == (None, Status.DELIVERING, attempt_id)
+        else:
+            assert (taken, row.status, row.attempt_id, await fence(db, replacement)) == (
+                REQUEUED, Status.QUEUED, None, None)
+            # The paused attempt, woken, can never rename.
+            assert not await store.pass_rename_fence(replacement, attempt_id, None, "worker-a/test",
+                                                     {"step": "rename"})
+        assert (await store.read_job(original)).status is Status.OUTCOME_UNKNOWN  # the original is untouched
+    assert ended == []
 
 
 @pytest.mark.spec("RI4")

@@ -13,9 +13,9 @@ import pytest
 from activities.checkpoints import BEFORE_UPLOAD
 from store.models import Status
 from tests.helpers.events import events, kinds
-from tests.helpers.harness import Harness, run_recovery
+from tests.helpers.harness import Harness, run_recovery, unknown_original
 from tests.helpers.lease import Hold, lease_harness, open_proxy
-from tests.helpers.partner import outbound_names
+from tests.helpers.partner import outbound, outbound_names
 from tests.helpers.support import eventually
 
 SETTLE = 60.0
@@ -57,14 +57,21 @@ async def test_a_transfer_cut_before_the_rename_is_tried_again_and_completes(har
 
 
 @pytest.mark.spec("LV1", "IU1")
-async def test_a_transfer_cut_on_every_try_hands_the_attempt_back_and_the_next_attempt_delivers(harness: Harness):
+@pytest.mark.parametrize("replacing", [False, True], ids=["original", "replacement"])
+async def test_a_transfer_cut_on_every_try_hands_the_attempt_back_and_the_next_attempt_delivers(
+        harness: Harness, replacing: bool):
     """Cut on every try of the first attempt: after `delivery_tries` tries, proven not delivered by a fault that may
     pass, the attempt hands itself back (no terminal write, its rename fence open) rather than end the export
     Failed/NotDelivered, a ticket for a person although the partner was only away. Recovery sends the export round
-    again, and its next attempt delivers the file, once."""
+    again, and its next attempt delivers the file, once. A replacement does the same: its attempt never renamed."""
     h = harness
     tries = h.settings.delivery_tries
     cuts, renames = [], []
+    original = None
+    if replacing:
+        # An original whose outcome is unknown, its file since taken away by the partner: the name is free.
+        original, _ = await unknown_original(h)
+        (outbound(h.partner) / (await h.store.read_job(original)).final_name).unlink()
 
     async def cut_the_first_attempts_transfers(path: str, offset: int) -> None:
         if offset == 0 and len(cuts) < tries:
@@ -75,7 +82,11 @@ async def test_a_transfer_cut_on_every_try_hands_the_attempt_back_and_the_next_a
         renames.append(new)
 
     h.partner.hooks.on_write, h.partner.hooks.before_rename = cut_the_first_attempts_transfers, count_rename
-    job_id = await h.create()
+    if original is None:
+        job_id = await h.create()
+    else:
+        job_id = await h.exports.replace(tenant_id=h.tenant_id, original_job_id=original, created_by="ops@example",
+                                         reason="the original's outcome is unknown")
 
     async def settled_after_a_recovery_run() -> Status:
         row = await h.store.read_job(job_id)

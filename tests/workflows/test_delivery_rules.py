@@ -206,7 +206,10 @@ async def process_harness(db, store, client, tmp_path):
 
 
 @pytest.mark.spec("RD6")
-async def test_replacement_crashed_before_its_baseline__recovery_leaves_it_outcome_unknown(process_harness):
+async def test_replacement_crashed_before_its_baseline__never_completed_from_the_originals_file(process_harness):
+    """Crashed after cutoff 2, before looking at its final name, where the original's file lies. Its rename fence
+    is open, so it never renamed: recovery takes it back rather than judge it (never Completed from a file that is
+    the original's), and its next attempt looks, identifies the original's file and sends nothing."""
     h = process_harness
     healthy = await WorkerProcess(h.settings).start()
     try:
@@ -218,21 +221,28 @@ async def test_replacement_crashed_before_its_baseline__recovery_leaves_it_outco
     try:
         replacement = await replacement_of(h, original)
         await held_at(h.settings, "before_upload", replacement)
+        crashed = await h.store.read_job(replacement)
         crashing.kill()
         await eventually(lambda: h.db.admin.fetchval(
             "SELECT lease_expires_at < clock_timestamp() FROM export_jobs WHERE id = $1", replacement), bool,
             timeout=20, what="the lease expired")
     finally:
         crashing.kill()
+    assert crashed.status is Status.DELIVERING
+    assert not [d for d in await delivery_evidence(h.db.admin, replacement) if '"step": "baseline"' in d]
     survivor = await WorkerProcess(h.settings).start()
     try:
-        await run_recovery(h.client, h.settings)
+        report = await run_recovery(h.client, h.settings)
+        assert [t.recorded for t in report.taken_over if t.job_id == replacement] == ["RequeuedByRecovery"]
         row = await h.settled(replacement)
     finally:
         await survivor.stop()
-    assert row.status is Status.OUTCOME_UNKNOWN  # the file there is the original's, not evidence for this one
-    assert "ResolvedByRecovery" in kinds(await events(h.db, replacement))
-    assert (outbound(h.partner) / row.final_name).read_bytes() == content
+    assert (row.status, row.failure_reason) == (Status.FAILED, FailureCode.ORIGINAL_DELIVERED)
+    assert row.attempt_id != crashed.attempt_id
+    found = kinds(await events(h.db, replacement))
+    assert "ResolvedByRecovery" not in found and "Completed" not in found
+    assert (outbound(h.partner) / row.final_name).read_bytes() == content and temp_names(h.partner) == []
+    assert (await h.store.read_job(original)).status is Status.OUTCOME_UNKNOWN  # a person corrects it, on that
 
 
 async def test_pinned_host_key_mismatch__refuses_to_connect_and_writes_nothing(harness: Harness):
