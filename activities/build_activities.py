@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import asyncssh
 from temporalio import activity
 
 from activities import checkpoints
-from activities.builder import BuildError, build_contacts_csv, size_and_sha256
+from activities.builder import BuildError, build_contacts_csv, remove_local_file, size_and_sha256
 from activities.contracts import AttemptInput, BuildOutput
 from activities.destination import DestinationConfig
 from activities.export_base import ExportActivitiesBase, attempt_step
@@ -27,6 +26,7 @@ from activities.process import metrics
 from activities.stop_watch import StopWatch
 from store import errors
 from store.db import Bounds, asyncpg_dsn
+from store.jobs import build_holder
 from store.models import BuiltFile, FailureCode, JobRow
 
 log = logging.getLogger(__name__)
@@ -69,10 +69,9 @@ class BuildActivities(ExportActivitiesBase):
             log.warning("build of %s attempt %s reached this worker %.1f s after it was scheduled, past its "
                         "schedule-to-start bound; it does nothing", job.id, attempt_id, late)
             return BuildOutput(ended="StartedLate")
-        token = uuid.uuid4().hex[:12]
-        holder = f"{self.worker_id}/{token}"
+        holder = build_holder(self.worker_id, request.resumption)
         # One file per build, so a fenced build never writes the file a later one built.
-        path = Path(self.settings.work_dir) / f"{job.id}-{attempt_id}-{token}.csv"
+        path = Path(self.settings.work_dir) / f"{job.id}-{attempt_id}-{holder.rpartition('/')[2]}.csv"
         progress: dict[str, Any] = {"bytes": 0}
         build_task = asyncio.current_task()
         lost = asyncio.Event()
@@ -109,8 +108,10 @@ class BuildActivities(ExportActivitiesBase):
         if reused:
             detail += ", with the file an earlier build of it finished on this worker"
         leased_at = asyncio.get_running_loop().time()  # build_start sets the lease, at the server, after this
-        if not await self.store.start_build(job.id, attempt_id, holder, detail):
-            return BuildOutput(ended="LostOwnership")  # write nothing: another attempt owns the row now
+        if not await self.store.start_build(job.id, attempt_id, holder, detail, generation=request.resumption):
+            # Write nothing: another attempt owns the row now, or a build the run scheduled later holds the slot.
+            remove_local_file(path)  # a file taken from an earlier build for this one
+            return BuildOutput(ended="LostOwnership")
         lease = self._keeper(job.id, attempt_id, holder, on_lost, on_lapsing=on_lapsing, leased_at=leased_at)
         handed_over = False
         shutdown_watch = asyncio.create_task(hand_back_on_shutdown())

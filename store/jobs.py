@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
-from uuid import UUID
+from uuid import UUID, uuid4
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -28,6 +28,13 @@ from store.schema import cancellation_requests, destinations, export_attempt_eve
 from store.statements import Reread, RoleStore, Written, fetch_one, statement
 
 log = logging.getLogger(__name__)
+
+
+def build_holder(worker_id: str, generation: int) -> str:
+    """The holder a build records on its row, unique to it: its worker, then its generation (the run's count of
+    the attempt's resumptions: 0 for the first build) and a token. build_start.sql reads the generation back from
+    the row's holder, so that no build takes the slot from one the run scheduled after it."""
+    return f"{worker_id}/b{generation}.{uuid4().hex[:12]}"
 
 
 def check_confirmation(outcome: Status, confirmed_by: str | None) -> None:
@@ -249,12 +256,15 @@ class JobStore(RoleStore):
             return ClaimResult.UNKNOWN
         return ClaimResult.LOST
 
-    async def start_build(self, job_id: UUID, attempt_id: UUID, holder: str, detail: str) -> bool:
+    async def start_build(self, job_id: UUID, attempt_id: UUID, holder: str, detail: str,
+                          generation: int = -1) -> bool:
         """A build takes its attempt's build slot (build_start.sql), fencing any earlier build of the attempt.
-        False when the attempt no longer holds the row; on an uncertain answer the row is asked."""
+        False when the attempt no longer holds the row, or a build the run scheduled after this one (a greater
+        `generation`, see build_holder) holds the slot; on an uncertain answer the row is asked."""
         written = await self.db.write(
             "build_start", reread=Reread("ownership_reread", {"job_id": job_id}, when_unchanged=False),
             job_id=job_id, attempt_id=attempt_id, holder=holder, lease_seconds=self.lease_seconds, detail=detail,
+            generation=generation,
         )
         if not written.uncertain:
             return written.changed

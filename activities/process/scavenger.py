@@ -20,7 +20,7 @@ log = logging.getLogger("activities.scavenger")
 # <job>-<attempt>-<build token>.csv (and .csv.partial while it is written); the token is the last part of the
 # build's holder (claimed_by).
 _BUILT = re.compile(
-    r"^(?P<job>[0-9a-f-]{36})-(?P<attempt>[0-9a-f-]{36})(?:-(?P<token>[0-9a-f]+))?\.csv(?:\.partial)?$")
+    r"^(?P<job>[0-9a-f-]{36})-(?P<attempt>[0-9a-f-]{36})(?:-(?P<token>[0-9a-z.]+))?\.csv(?:\.partial)?$")
 
 
 async def scavenge(store: JobStore, work_dir: Path) -> list[Path]:

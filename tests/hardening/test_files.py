@@ -11,6 +11,7 @@ import pytest
 
 from activities.contracts import PartnerSweepOutput
 from activities.partner_delivery import temp_file_name
+from store.jobs import build_holder
 from store.models import Status
 from tests.helpers.harness import Harness
 from tests.helpers.store_states import drive
@@ -27,7 +28,9 @@ async def test_a_running_worker_removes_built_files_no_attempt_can_use_within_it
     live = await create_job(store, tenant_id, destination_id)
     settled = await create_job(store, tenant_id, destination_id)
     live_attempt = await drive(store, live, Status.RUNNING)
-    assert await store.start_build(live, live_attempt, "worker-x/1a2b", "first build")
+    # Holders as builds write them; the file's name ends with the holder's last part.
+    holder, fenced = build_holder("worker-x", 1), build_holder("worker-y", 0)
+    assert await store.start_build(live, live_attempt, holder, "resumed (1)", generation=1)
     settled_attempt = await drive(store, settled, Status.COMPLETED)
     work = tmp_path / "work"
     settings = db.settings(task_queue=f"exports-{uuid.uuid4().hex[:8]}", work_dir=work,
@@ -35,9 +38,11 @@ async def test_a_running_worker_removes_built_files_no_attempt_can_use_within_it
     async with running_worker(settings, client, with_dispatcher=False):
         # Left behind after the worker started, so only its periodic pass can find them.
         work.mkdir(exist_ok=True)
-        keep = work / f"{live}-{live_attempt}-1a2b.csv"  # the build that holds the live attempt
-        stale = [work / f"{live}-{live_attempt}-9f9f.csv",  # a fenced build of the same attempt
-                 work / f"{settled}-{settled_attempt}-1a2b.csv",  # an attempt that ended
+        token = holder.rpartition("/")[2]
+        keep = work / f"{live}-{live_attempt}-{token}.csv"  # the build that holds the live attempt
+        stale = [work / f"{live}-{live_attempt}-{fenced.rpartition('/')[2]}.csv",  # a fenced build of it
+                 work / f"{live}-{live_attempt}-9f9f.csv",  # a build of an earlier release, fenced
+                 work / f"{settled}-{settled_attempt}-{token}.csv",  # an attempt that ended
                  work / f"{uuid.uuid4()}-{uuid.uuid4()}-77.csv"]  # a job that does not exist
         for path in (keep, *stale):
             path.write_text("email,first_name\n")

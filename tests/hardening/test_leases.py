@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from activities.checkpoints import AFTER_CLAIM, BEFORE_CUTOFF_2, BEFORE_UPLOAD, Checkpoints
+from store.jobs import build_holder
 from store.models import AuthorizationResult, CancellationOutcome, ClaimResult, FailureCode, JobRow, Status
 from tests.helpers.crash import crash_world, forget_dead_worker, processes, start_worker
 from tests.helpers.events import events, kinds
@@ -263,6 +264,33 @@ async def test_a_build_resumed_elsewhere_fences_the_paused_build_whose_stop_writ
         await eventually(lambda: asyncio.sleep(0, list(Path(h.settings.work_dir).glob("*.csv*"))), lambda f: not f,
                          timeout=BOUND, what="every built file removed")
         assert b.process.returncode is None
+
+
+@pytest.mark.spec("LK3")
+async def test_store__a_build_the_run_scheduled_earlier_never_takes_the_slot_from_a_later_one(db, store):
+    """The run returned a quiet build to its worker, gave that up too and resumed it elsewhere; the worker, paused
+    with a poll open, then wakes with the return in hand. Had it taken the build slot, it would have fenced the
+    build the run waits for, and held the attempt with a build nobody waits for (seen in CI: the operator's stop was
+    never recorded, the row stayed Running). A build never takes the slot from one the run scheduled after it."""
+    tenant_id, destination_id = await seed_tenant(db.admin)
+    job_id = await create_job(store, tenant_id, destination_id)
+    attempt_id = uuid.uuid4()
+    assert await store.claim(job_id, 1, attempt_id, "worker-a") is ClaimResult.CLAIMED
+    first, returned, elsewhere = (build_holder("worker-a", 0), build_holder("worker-a", 1),
+                                  build_holder("worker-b", 2))
+    assert await store.start_build(job_id, attempt_id, first, "first build", generation=0)
+    assert await store.start_build(job_id, attempt_id, elsewhere, "resumed (2)", generation=2)
+    assert not await store.start_build(job_id, attempt_id, returned, "resumed (1)", generation=1)  # too late
+    assert (await store.read_job(job_id)).claimed_by == elsewhere
+    assert await store.renew_lease(job_id, attempt_id, elsewhere)
+    assert not await store.renew_lease(job_id, attempt_id, returned)
+    # A later one still takes it, as does one of the same generation (a holder of an earlier release has none).
+    again = build_holder("worker-c", 3)
+    assert await store.start_build(job_id, attempt_id, again, "resumed (3)", generation=3)
+    found = await db.admin.fetch("SELECT kind, worker_id FROM export_attempt_events WHERE job_id = $1 ORDER BY id",
+                                 job_id)
+    assert [(e["kind"], e["worker_id"]) for e in found] == [
+        ("Claimed", "worker-a"), ("BuildStarted", first), ("BuildStarted", elsewhere), ("BuildStarted", again)]
 
 
 async def build_starts(db, job_id: uuid.UUID) -> list[dict]:
