@@ -6,12 +6,13 @@ import asyncio
 import hashlib
 import itertools
 from pathlib import Path
+from typing import Any
 
 import asyncssh
 import pytest
 
 from activities.destination import PartnerContract
-from activities.outcomes import RemoteFile
+from activities.outcomes import DeliveryResult, RemoteFile
 from activities.partner_connection import HostKeyMismatch, connect, load_client_key
 from activities.partner_delivery import PIPELINED_WRITES, deliver
 from activities.sftp_check_file import check_file_sha256
@@ -29,6 +30,16 @@ def local(tmp_path: Path) -> tuple[Path, bytes]:
 
 def listdir(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir())
+
+
+async def deliver_local(partner: LocalPartner, local: tuple[Path, bytes], name: str,
+                        evidence: Evidence | None = None, **options: Any) -> tuple[DeliveryResult, Evidence]:
+    """The local file delivered to the partner as `contacts-<name>.csv` through `<name>.part`, within the tests'
+    bound; its result and the evidence it recorded."""
+    evidence = Evidence() if evidence is None else evidence
+    result = await bounded(deliver(partner.destination(), str(local[0]), f"contacts-{name}.csv", f"{name}.part",
+                                   record_evidence=evidence, **options))
+    return result, evidence
 
 
 async def test_delivery_completes_byte_for_byte(partner: LocalPartner, local: tuple[Path, bytes]) -> None:
@@ -76,9 +87,7 @@ async def test_occupied_final_name_uploads_nothing(partner: LocalPartner, local:
         writes.append((p, offset))
 
     partner.hooks.on_write = on_write
-    evidence = Evidence()
-    result = await bounded(deliver(partner.destination(), str(local[0]), "contacts-k.csv", "k.part",
-                                   record_evidence=evidence))
+    result, evidence = await deliver_local(partner, local, "k")
     assert (result.outcome, result.failure_reason) == ("Failed", "FinalNameOccupied")
     assert (partner.final_dir / "contacts-k.csv").read_bytes() == theirs
     assert writes == [] and listdir(partner.temp_dir) == []
@@ -111,9 +120,7 @@ async def test_connection_closed_mid_transfer_is_not_delivered(
             partner.close_connections()
 
     partner.hooks.on_write = drop_on_third_chunk
-    evidence = Evidence()
-    result = await bounded(deliver(partner.destination(), str(local[0]), "contacts-k.csv", "k.part",
-                                   record_evidence=evidence, chunk_size=CHUNK))
+    result, evidence = await deliver_local(partner, local, "k", chunk_size=CHUNK)
     assert (result.outcome, result.failure_reason) == ("Failed", "NotDelivered"), result.summary
     assert listdir(partner.final_dir) == []
     assert listdir(partner.temp_dir) == []  # removed over a fresh connection
@@ -135,9 +142,7 @@ async def test_connection_closed_while_the_session_opens_is_not_delivered_and_sa
         partner.close_connections()
 
     partner.hooks.on_session = drop_the_connection
-    evidence = Evidence()
-    result = await bounded(deliver(partner.destination(), str(local[0]), "contacts-s.csv", "s.part",
-                                   record_evidence=evidence, chunk_size=CHUNK))
+    result, evidence = await deliver_local(partner, local, "s", chunk_size=CHUNK)
     assert (result.outcome, result.failure_reason) == ("Failed", "NotDelivered"), result.summary
     assert evidence.first("failure")["failed_step"] == "connect"
     assert "ChannelOpenError" in evidence.first("failure")["error"]  # the fault was the one meant
@@ -153,9 +158,7 @@ async def test_a_partner_that_refuses_the_sftp_session_is_not_tried_again(
         raise asyncssh.ChannelOpenError(asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED, "no sftp for you")
 
     partner.hooks.on_session = refuse
-    evidence = Evidence()
-    result = await bounded(deliver(partner.destination(), str(local[0]), "contacts-r.csv", "r.part",
-                                   record_evidence=evidence, chunk_size=CHUNK))
+    result, evidence = await deliver_local(partner, local, "r", chunk_size=CHUNK)
     assert (result.outcome, result.failure_reason) == ("Failed", "NotDelivered"), result.summary
     assert "ChannelOpenError" in evidence.first("failure")["error"]
     assert not result.retry_safe
@@ -190,9 +193,7 @@ async def test_connection_closed_after_rename_is_outcome_unknown(
         partner.close_connections()
 
     partner.hooks.after_rename = drop
-    evidence = Evidence()
-    result = await bounded(deliver(partner.destination(), str(local[0]), "contacts-k.csv", "k.part",
-                                   record_evidence=evidence))
+    result, evidence = await deliver_local(partner, local, "k")
     assert result.outcome == "OutcomeUnknown" and result.receipt is None, result.summary
     # It did arrive; only a person (or a later reconciliation) may say so.
     assert (partner.final_dir / "contacts-k.csv").read_bytes() == local[1]
@@ -288,9 +289,7 @@ async def test_cancelled_upload_is_classified_not_raised(
 async def test_evidence_failures_do_not_change_the_outcome(
     partner: LocalPartner, local: tuple[Path, bytes]
 ) -> None:
-    evidence = Evidence(fail=True)
-    result = await bounded(deliver(partner.destination(), str(local[0]), "contacts-k.csv", "k.part",
-                                   record_evidence=evidence))
+    result, evidence = await deliver_local(partner, local, "k", evidence=Evidence(fail=True))
     assert result.outcome == "Completed"
     assert evidence.steps == ["baseline", "rename", "receipt"]
 
