@@ -167,6 +167,7 @@ async def running_worker(
                     asyncpg_dsn(settings.dispatcher_database_url),
                     task_queue=settings.task_queue,
                     poll_seconds=settings.dispatcher_poll_seconds,
+                    concurrency=settings.dispatcher_concurrency,
                     bounds=Bounds.of(settings),
                 )
                 dispatcher_task = asyncio.create_task(dispatcher.run(stop), name="outbox-dispatcher")

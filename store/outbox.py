@@ -118,13 +118,14 @@ class OutboxPass:
             await self._conn.commit()
         return [Pending(*row) for row in rows]
 
-    async def mark_published(self, message_id: UUID) -> bool:
-        """False when the row was marked already (by a dispatcher that held the lock before)."""
+    async def mark_published(self, message_ids: list[UUID]) -> int:
+        """How many of the rows this mark set: fewer when some were marked already (by a dispatcher that held the
+        lock before)."""
         async with self._statement():
             marked = (await self._conn.execute(statement("outbox_mark_published"),
-                                               {"message_id": message_id})).rowcount
+                                               {"message_ids": message_ids})).rowcount
             await self._conn.commit()
-        return marked == 1
+        return marked
 
     async def still_held(self) -> None:
         """Before a publication: the pass ends (LockLost, or the driver's error for a session that is gone) unless

@@ -94,6 +94,9 @@ class Settings(BaseSettings):
                                 "drops the connection (TCP_USER_TIMEOUT; keepalives start after half of it idle)")
     reread_timeout_seconds: float = Field(5.0, gt=0)
     dispatcher_poll_seconds: float = Field(2.0, gt=0)
+    # Starts a pass publishes side by side: one Temporal round trip after another held a burst of exports to about
+    # ten starts a second (P1). An export's own rows still go out one after another.
+    dispatcher_concurrency: int = Field(16, ge=1, le=256)
     # The outbox lock's session is ended by PostgreSQL after this much silence (store/outbox.py): the longest one
     # paused or cut-off dispatcher holds the others back. A publication may take half of it.
     dispatcher_lock_idle_seconds: float = Field(5.0, ge=1)

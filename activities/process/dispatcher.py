@@ -6,15 +6,18 @@ unpublished and is retried with the same message ID, which the workflow uses to 
 row, so publishing a row twice is harmless.
 
 No row lock is held while Temporal is asked: a Temporal that does not answer would hold them for as long as its
-client retries, once per row. Instead a pass reads the unpublished rows in one short statement, publishes them one
-by one outside any transaction, and marks each published row with its own conditional update, all through
-store/outbox.py, whose session advisory lock keeps two dispatchers from publishing the same backlog at once. The
-first publication that fails ends the pass: Temporal is away, and the next poll tries again.
+client retries, once per row. Instead a pass reads the unpublished rows in one short statement, publishes them in
+waves of up to `concurrency` side by side outside any transaction (an export's later row in a later wave, so its
+rows go out in their order), and marks each wave's published rows with one conditional update, all through
+store/outbox.py, whose session advisory lock keeps two dispatchers from publishing the same backlog at once. A wave
+with a failed publication ends the pass once its other rows are marked: Temporal is away, and the next poll tries
+again.
 
 The lock's session is bounded (store/outbox.py says how): a dispatcher that stops answering while it holds the lock
 (paused, or cut off) loses it after `Outbox.lock_idle_seconds` of silence, and another dispatcher takes over. So
 that a healthy holder never looks silent, each publication is bounded by `OutboxPass.publish_seconds`, half that
-bound (a publication that takes longer has failed, as above), and the holder checks its session before each one.
+bound (a publication that takes longer has failed, as above), so a wave is too, and the holder checks its session
+before each wave.
 Meanwhile the other dispatchers' passes publish nothing: the first skipped pass is noted at debug level, and once
 passes have found the lock taken for longer than a poll interval, one warning names the holder (its backend pid)
 and how long it has been silent; the pass that takes the lock again says so.
@@ -35,7 +38,7 @@ from activities.contracts import ExportInput, Wake
 from activities.process.temporal import short_reason
 from store import errors
 from store.db import Bounds, connect_raw
-from store.outbox import LockHolder, Outbox
+from store.outbox import LockHolder, Outbox, OutboxPass, Pending
 from workflows.identity import export_workflow_id, tenant_priority
 
 # The logger keeps the name it had before the module moved into process/: log filters and alerts match on it.
@@ -54,8 +57,11 @@ class OutboxDispatcher:
         task_queue: str,
         poll_seconds: float,
         batch: int = 100,
+        concurrency: int = 16,
         bounds: Bounds | None = None,
     ) -> None:
+        if concurrency < 1:
+            raise ValueError(f"the dispatcher publishes at least one row at a time, not {concurrency}")
         self.client = client
         self.outbox = outbox
         self.listen_dsn = listen_dsn
@@ -63,6 +69,7 @@ class OutboxDispatcher:
         self.task_queue = task_queue
         self.poll_seconds = poll_seconds
         self.batch = batch
+        self.concurrency = concurrency
         self._nudged = asyncio.Event()
         self._failing = False
         self._lock_taken_since: float | None = None  # since when every pass has found the lock taken
@@ -89,24 +96,36 @@ class OutboxDispatcher:
                 await self._lock_taken()
                 return 0
             self._lock_free()
-            for row in await outbox.pending(self.batch):
+            rows = await outbox.pending(self.batch)
+            while rows:
+                wave, rows = next_wave(rows, self.concurrency)
                 await outbox.still_held()
-                try:
-                    async with asyncio.timeout(outbox.publish_seconds):
-                        await self.publish(row.message_id, row.job_id, row.tenant_id)
-                except TimeoutError:
-                    await outbox.still_held()  # a pause of this process, rather than Temporal, ends it: LockLost
-                    log.warning("outbox row %s (%s for %s) not published, the next pass tries again: Temporal did "
-                                "not answer within %g s", row.message_id, row.kind, row.job_id,
-                                outbox.publish_seconds)
+                failures = await asyncio.gather(*(self._publish(outbox, row) for row in wave))
+                done = [row.message_id for row, failure in zip(wave, failures, strict=True) if failure is None]
+                if done:
+                    await outbox.mark_published(done)
+                    published += len(done)
+                failed = [(row, failure) for row, failure in zip(wave, failures, strict=True) if failure is not None]
+                if failed:
+                    if any(isinstance(failure, TimeoutError) for _, failure in failed):
+                        await outbox.still_held()  # a pause of this process, rather than Temporal, ends it: LockLost
+                    row, failure = failed[0]
+                    more = f" (and {len(failed) - 1} more rows of this pass's)" if len(failed) > 1 else ""
+                    log.warning("outbox row %s (%s for %s)%s not published, the next pass tries again: %s",
+                                row.message_id, row.kind, row.job_id, more, failure)
                     break
-                except Exception as exc:
-                    log.warning("outbox row %s (%s for %s) not published, the next pass tries again: %s",
-                                row.message_id, row.kind, row.job_id, short_reason(exc))
-                    break
-                await outbox.mark_published(row.message_id)
-                published += 1
         return published
+
+    async def _publish(self, outbox: OutboxPass, row: Pending) -> str | TimeoutError | None:
+        """Publish one row within the pass's bound on a publication: None, or why it was not published."""
+        try:
+            async with asyncio.timeout(outbox.publish_seconds):
+                await self.publish(row.message_id, row.job_id, row.tenant_id)
+        except TimeoutError:
+            return TimeoutError(f"Temporal did not answer within {outbox.publish_seconds:g} s")
+        except Exception as exc:
+            return short_reason(exc)
+        return None
 
     async def _lock_taken(self) -> None:
         """A skipped pass: debug, until passes have found the lock taken for longer than a poll interval; then one
@@ -168,6 +187,18 @@ class OutboxDispatcher:
         """One warning when an outage begins; while it lasts, the same news at debug level."""
         (log.debug if self._failing else log.warning)(message)
         self._failing = True
+
+
+def next_wave(rows: list[Pending], size: int) -> tuple[list[Pending], list[Pending]]:
+    """The next rows to publish side by side, at most `size`, in the batch's order, at most one of each export:
+    an export's later row waits for the next wave, so its rows go out in their order. The rest, in order."""
+    wave: list[Pending] = []
+    rest: list[Pending] = []
+    seen: set[UUID] = set()
+    for row in rows:
+        (wave if len(wave) < size and row.job_id not in seen else rest).append(row)
+        seen.add(row.job_id)
+    return wave, rest
 
 
 def _holder(holder: LockHolder | None) -> str:

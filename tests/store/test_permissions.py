@@ -20,7 +20,7 @@ from tests.helpers.events import events, kinds
 from tests.helpers.store_states import built_file, drive, expire
 from tests.helpers.support import create_job
 
-# The dispatcher's own statement (store/sql/outbox_mark_published.sql, without its condition).
+# The dispatcher's own write (store/sql/outbox_mark_published.sql, for one row and without its condition).
 MARK = "UPDATE outbox SET published_at = clock_timestamp() WHERE message_id = $1"
 
 INSERT_EVENT = ("INSERT INTO export_attempt_events (job_id, attempt_id, kind, worker_id, recorded_at) "
