@@ -10,8 +10,12 @@ shape is measured too: it says what the shape alone costs the server, the ceilin
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import asyncpg
 from temporalio.api.enums.v1 import EventType
@@ -66,6 +70,49 @@ async def exports_per_second(exports: ExportsClient, admin: asyncpg.Connection, 
         await asyncio.sleep(0.1)
 
 
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _machine_cpu_seconds() -> float:
+    """CPU time the whole machine has spent busy (not idle, not waiting on I/O) since boot."""
+    with open("/proc/stat") as stat:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, stat.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / _TICKS
+
+
+def _process_cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+@asynccontextmanager
+async def _cpu_beside(server_pid: int) -> AsyncIterator[list[float]]:
+    """Cores' worth of CPU the machine spent outside the Temporal server while the block ran (appended on exit)."""
+    started, machine, server = time.perf_counter(), _machine_cpu_seconds(), _process_cpu_seconds(server_pid)
+    beside: list[float] = []
+    yield beside
+    outside = (_machine_cpu_seconds() - machine) - (_process_cpu_seconds(server_pid) - server)
+    beside.append(outside / (time.perf_counter() - started))
+
+
+@asynccontextmanager
+async def _busy_loops(cores: float) -> AsyncIterator[None]:
+    """Processes that burn `cores` of CPU and do nothing else: the load of the export's own work on the machine,
+    without its work."""
+    shares = [1.0] * int(cores) + ([cores % 1] if cores % 1 >= 0.05 else [])
+    loop = ("import sys, time\nbusy = float(sys.argv[1]) * 0.01\nwhile True:\n    t = time.perf_counter()\n"
+            "    while time.perf_counter() - t < busy: pass\n    time.sleep(0.01 - busy)")
+    burners = [await asyncio.create_subprocess_exec(sys.executable, "-c", loop, f"{min(share, 0.999):.3f}")
+               for share in shares]
+    try:
+        yield
+    finally:
+        for burner in burners:
+            burner.kill()
+            await burner.wait()
+
+
 async def _baseline(client: Client, task_queue: str, count: int, workflow: str, argument: object) -> float:
     started = time.perf_counter()
     handles = await asyncio.gather(*(client.start_workflow(workflow, argument, id=f"noop-{uuid.uuid4()}",
@@ -83,16 +130,23 @@ async def measure(*, exports: int, rounds: int) -> Row:
         engine = make_engine(stack.postgres.url("app"))
         client_of_exports = ExportsClient(JobStore(engine, lease_seconds=settings.lease_seconds), client,
                                           task_queue=settings.task_queue)
-        ours, theirs, shaped = [], [], []
+        ours, theirs, shaped, loaded, extra = [], [], [], [], []
+        server = stack.temporal.process.pid
         try:
             for _ in range(rounds):
-                rate, sample = await exports_per_second(client_of_exports, stack.admin, stack.tenant,
-                                                        stack.destination, exports)
+                async with _cpu_beside(server) as beside_ours:
+                    rate, sample = await exports_per_second(client_of_exports, stack.admin, stack.tenant,
+                                                            stack.destination, exports)
                 ours.append(rate)
                 shape = await shape_of(client, export_workflow_id(sample))
                 per_export = shape.on_workflow_queue + shape.on_own_queue
                 theirs.append(await _baseline(client, "bench-noop", exports, "NoopWorkflow", per_export))
-                shaped.append(await _baseline(client, "bench-noop", exports, "ShapedNoopWorkflow", shape))
+                async with _cpu_beside(server) as beside_shaped:
+                    shaped.append(await _baseline(client, "bench-noop", exports, "ShapedNoopWorkflow", shape))
+                # The ceiling again, with the machine as busy beside the server as the export's own work made it.
+                extra.append(max(0.0, beside_ours[0] - beside_shaped[0]))
+                async with _busy_loops(extra[-1]):
+                    loaded.append(await _baseline(client, "bench-noop", exports, "ShapedNoopWorkflow", shape))
         finally:
             await engine.dispose()
     # The goal is against the ceiling: a no-op workflow of the export's own shape, on the same server.
@@ -105,4 +159,10 @@ async def measure(*, exports: int, rounds: int) -> Row:
         f"queues (admission, a worker's own), {shape.search_attribute_updates} workflow tasks updating search "
         f"attributes; plain no-op workflows of {per_export} activities reach {middle(theirs):.3g}/s, the shape "
         f"{ceiling / middle(theirs):.2f} of that, the project {middle(ours) / middle(theirs):.2f}")
+    # What sharing the machine costs the ceiling: the server competes for the same cores with the export's work
+    # (database, SFTP, files, the worker), which no no-op does.
+    row.notes.append(
+        f"beside the server, the export's work kept {middle(extra):.2f} of a core busier than the no-ops did "
+        f"({os.cpu_count()} cores); the shape's no-ops beside busy loops burning that much reach "
+        f"{middle(loaded):.3g}/s, and the project {middle(ours) / middle(loaded):.2f} of that")
     return row
