@@ -110,7 +110,7 @@ class OutboxDispatcher:
                     if any(isinstance(failure, TimeoutError) for _, failure in failed):
                         await outbox.still_held()  # a pause of this process, rather than Temporal, ends it: LockLost
                     row, failure = failed[0]
-                    more = f" (and {len(failed) - 1} more rows of this pass's)" if len(failed) > 1 else ""
+                    more = f" and {len(failed) - 1} more of its wave" if len(failed) > 1 else ""
                     log.warning("outbox row %s (%s for %s)%s not published, the next pass tries again: %s",
                                 row.message_id, row.kind, row.job_id, more, failure)
                     break

@@ -290,6 +290,41 @@ async def test_dispatcher__a_pass_publishes_its_rows_side_by_side_and_one_export
 
 
 @pytest.mark.spec("TW8")
+async def test_dispatcher__a_wave_with_a_failed_publication_marks_the_rest_and_ends_the_pass(
+        quiet_harness: Harness, db):
+    harness = quiet_harness  # its worker runs no dispatcher; this one runs under the dispatcher role
+    engine = make_engine(db.url("dispatcher"))
+    job_ids = [await harness.store_create() for _ in range(3)]
+    failing = {job_ids[1]}
+
+    class OneFails(OutboxDispatcher):
+        async def publish(self, message_id, job_id, tenant_id=None):
+            if job_id in failing:
+                raise ConnectionError("Temporal unreachable")
+            await super().publish(message_id, job_id, tenant_id)
+
+    # Two rows a wave: the first wave holds the failure, so the third row waits for the next pass.
+    dispatcher = OneFails(harness.client, Outbox(engine), asyncpg_dsn(db.url("dispatcher")),
+                          task_queue=harness.settings.task_queue, poll_seconds=0.2, concurrency=2)
+
+    async def unpublished() -> list[uuid.UUID]:
+        rows = await db.admin.fetch("SELECT job_id FROM outbox WHERE published_at IS NULL AND job_id = ANY($1::uuid[])",
+                                    job_ids)
+        return sorted(r["job_id"] for r in rows)
+
+    try:
+        assert await dispatch(dispatcher) == 1
+        assert await unpublished() == sorted(job_ids[1:])
+        failing.clear()
+        assert await dispatch(dispatcher) == 2
+        assert await unpublished() == []
+        for job_id in job_ids:
+            assert (await harness.settled(job_id)).status is Status.COMPLETED
+    finally:
+        await engine.dispose()
+
+
+@pytest.mark.spec("TW8")
 async def test_dispatcher__the_workers_own_dispatcher_runs_under_the_dispatcher_role(db, store, client, tmp_path):
     """The production wiring, not a dispatcher built by the test: the worker's dispatcher marks the rows it
     publishes as the dispatcher role (a trigger of the test's records who marked), and listens as that role."""
