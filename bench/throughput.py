@@ -131,6 +131,7 @@ async def measure(*, exports: int, rounds: int) -> Row:
         client_of_exports = ExportsClient(JobStore(engine, lease_seconds=settings.lease_seconds), client,
                                           task_queue=settings.task_queue)
         ours, theirs, shaped, loaded, extra = [], [], [], [], []
+        assert stack.temporal.process is not None  # started by full_stack
         server = stack.temporal.process.pid
         try:
             for _ in range(rounds):
