@@ -100,12 +100,17 @@ class OutboxDispatcher:
             while rows:
                 wave, rows = next_wave(rows, self.concurrency)
                 await outbox.still_held()
-                failures = await asyncio.gather(*(self._publish(outbox, row) for row in wave))
-                done = [row.message_id for row, failure in zip(wave, failures, strict=True) if failure is None]
+                done: list[UUID] = []
+                failed: list[tuple[Pending, str | TimeoutError]] = []
+                for row, failure in zip(wave, await asyncio.gather(*(self._publish(outbox, row) for row in wave)),
+                                        strict=True):
+                    if failure is None:
+                        done.append(row.message_id)
+                    else:
+                        failed.append((row, failure))
                 if done:
                     await outbox.mark_published(done)
                     published += len(done)
-                failed = [(row, failure) for row, failure in zip(wave, failures, strict=True) if failure is not None]
                 if failed:
                     if any(isinstance(failure, TimeoutError) for _, failure in failed):
                         await outbox.still_held()  # a pause of this process, rather than Temporal, ends it: LockLost
