@@ -12,7 +12,8 @@ ended (and so out of the worker's cache) before the next, and takes the growth a
 hands the run in many small workflow tasks costs little, one it hands in a single task costs the most, and two
 floods rarely both miss that. A third flood goes to a workflow left open: what a run that took a flood holds for
 as long as it stays in the worker's cache. The notes say how many signals the largest workflow task brought each
-run, so the rows compare like with like.
+run, so the rows compare like with like. Last, the same flood once more to such a workflow on a Temporal server of
+its own whose per-run cap on signals is the one docs/operating.md suggests: what that setting bounds.
 """
 
 from __future__ import annotations
@@ -29,11 +30,16 @@ from temporalio.service import RPCError
 from bench.stack import Stack, full_stack
 from bench.table import Row
 from starter.client import ExportsClient
+from starter.localstack import processes
+from starter.localstack.ports import free_port
+from starter.localstack.temporal import LocalTemporal
 from store.db import make_engine
 from store.jobs import JobStore
 from workflows.identity import export_workflow_id
 
 _SENDERS = 50
+# The per-run cap on signals that docs/operating.md suggests where the cancel Update is active.
+SUGGESTED_SIGNAL_CAP = 1000
 
 
 def rss_megabytes(pid: int) -> float:
@@ -108,35 +114,68 @@ def largest_signal_batch(history) -> int:  # type: ignore[no-untyped-def]
     return max(largest, pending)
 
 
+async def _flood_sink(client: Client, pid: int, task_queue: str, tenant: uuid.UUID, malformed: int, valid: int, *,
+                      end: bool) -> tuple[float, int]:
+    """One flood to a new workflow that ignores it, ended afterwards (so it leaves the worker's cache) or left open:
+    the no-op worker's memory once settled, and the most signals one workflow task brought the run."""
+    handle = await client.start_workflow("SignalSinkWorkflow", id=f"flood-sink-{uuid.uuid4()}", task_queue=task_queue)
+    await handle.describe()
+    junk, cancels = _flood(tenant, malformed, valid)
+    await _send(handle, junk)
+    await _send(handle, cancels)
+    if end:
+        # The server's cap refuses `finish` too: a cancellation ends the run, and the worker drops it from its cache.
+        await handle.cancel()
+        try:
+            await asyncio.wait_for(handle.result(), timeout=120)
+        except WorkflowFailureError:
+            pass
+    memory = await _settled_memory(pid)
+    batch = largest_signal_batch(await handle.fetch_history())
+    if not end:
+        await handle.terminate("the flood's baseline measured")
+    return memory, batch
+
+
+async def _noop_worker(stack: Stack, address: str, task_queue: str) -> int:
+    await stack.spawn("bench.noop_worker", address, task_queue)
+    pid = stack.processes[-1].pid
+    assert pid is not None
+    return pid
+
+
 async def _sdk_alone(stack: Stack, client: Client, malformed: int, valid: int) -> tuple[list[float], list[int]]:
     """A no-op worker's memory before, after each of two floods to a workflow that ends once flooded, and after a
     third to one left open; and the largest signal batch of each run."""
-    await stack.spawn("bench.noop_worker", stack.temporal.address, "bench-flood-noop")
-    pid = stack.processes[-1].pid
-    memory: list[float] = []
-    batches: list[int] = []
+    pid = await _noop_worker(stack, stack.temporal.address, "bench-flood-noop")
+    await (await client.start_workflow("NoopWorkflow", 0, id=f"flood-warm-{uuid.uuid4()}",
+                                       task_queue="bench-flood-noop")).result()
+    memory, batches = [await _settled_memory(pid)], []
     for flood_number in range(3):
-        handle = await client.start_workflow("SignalSinkWorkflow", id=f"flood-sink-{uuid.uuid4()}",
-                                             task_queue="bench-flood-noop")
-        await handle.describe()
-        if not memory:
-            memory.append(await _settled_memory(pid))
-        junk, cancels = _flood(stack.tenant, malformed, valid)
-        await _send(handle, junk)
-        await _send(handle, cancels)
-        if flood_number < 2:
-            # The server's cap refuses `finish` too: a cancellation ends the run, and the worker drops it from its
-            # cache.
-            await handle.cancel()
-            try:
-                await asyncio.wait_for(handle.result(), timeout=120)
-            except WorkflowFailureError:
-                pass
-        memory.append(await _settled_memory(pid))
-        batches.append(largest_signal_batch(await handle.fetch_history()))
-        if flood_number == 2:
-            await handle.terminate("the flood's baseline measured")
+        after, batch = await _flood_sink(client, pid, "bench-flood-noop", stack.tenant, malformed, valid,
+                                         end=flood_number < 2)
+        memory.append(after)
+        batches.append(batch)
     return memory, batches
+
+
+async def _sdk_alone_capped(stack: Stack, malformed: int, valid: int, cap: int) -> tuple[float, float, int]:
+    """The same flood, once, to a workflow on a server whose per-run cap on signals is `cap`: a no-op worker's
+    memory before and after, and the largest signal batch."""
+    temporal = LocalTemporal(stack.folder / "temporal-capped", ui_port=free_port(),
+                             dynamic_config={"history.maximumSignalsPerExecution": cap})
+    await temporal.start()
+    try:
+        client = await Client.connect(temporal.address, data_converter=pydantic_data_converter)
+        pid = await _noop_worker(stack, temporal.address, "bench-flood-capped")
+        await (await client.start_workflow("NoopWorkflow", 0, id=f"flood-warm-{uuid.uuid4()}",
+                                           task_queue="bench-flood-capped")).result()
+        before = await _settled_memory(pid)
+        after, batch = await _flood_sink(client, pid, "bench-flood-capped", stack.tenant, malformed, valid, end=True)
+        await processes.stop(stack.processes.pop())  # before its server
+        return before, after, batch
+    finally:
+        await temporal.stop()
 
 
 async def measure(*, malformed: int, valid: int) -> Row:
@@ -170,6 +209,7 @@ async def measure(*, malformed: int, valid: int) -> Row:
             batch = largest_signal_batch(await client.get_workflow_handle(
                 export_workflow_id(job), run_id=run_id).fetch_history())
             sink, sink_batches = await _sdk_alone(stack, client, malformed, valid)
+            capped = await _sdk_alone_capped(stack, malformed, valid, SUGGESTED_SIGNAL_CAP)
         finally:
             await engine.dispose()
     row = Row("C2", f"worker memory growth after {malformed:,} malformed and {valid:,} valid cancel signals", "MB",
@@ -184,4 +224,7 @@ async def measure(*, malformed: int, valid: int) -> Row:
                      f"run ended before the next (largest workflow tasks: {sink_batches[0]:,} and "
                      f"{sink_batches[1]:,} signals); a third to a workflow left open, in the cache: {sink[3]:.0f} MB "
                      f"({sink[3] - sink[2]:+.0f} MB, largest task {sink_batches[2]:,} signals)")
+    row.notes.append(f"the SDK alone on a server whose per-run cap on signals is {SUGGESTED_SIGNAL_CAP:,} "
+                     f"(docs/operating.md): {capped[0]:.0f} MB before, {capped[1]:.0f} MB after "
+                     f"({capped[1] - capped[0]:+.0f} MB, largest task {capped[2]:,} signals)")
     return row
