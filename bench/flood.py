@@ -137,19 +137,21 @@ async def _flood_sink(client: Client, pid: int, task_queue: str, tenant: uuid.UU
     return memory, batch
 
 
-async def _noop_worker(stack: Stack, address: str, task_queue: str) -> int:
-    await stack.spawn("bench.noop_worker", address, task_queue)
+async def _noop_worker(stack: Stack, client: Client, task_queue: str) -> int:
+    """A no-op worker on `client`'s server, with one workflow run through it (so that what it loads for its first
+    run is not counted as the flood's): its PID."""
+    await stack.spawn("bench.noop_worker", client.service_client.config.target_host, task_queue)
     pid = stack.processes[-1].pid
     assert pid is not None
+    await (await client.start_workflow("NoopWorkflow", 0, id=f"flood-warm-{uuid.uuid4()}",
+                                       task_queue=task_queue)).result()
     return pid
 
 
 async def _sdk_alone(stack: Stack, client: Client, malformed: int, valid: int) -> tuple[list[float], list[int]]:
     """A no-op worker's memory before, after each of two floods to a workflow that ends once flooded, and after a
     third to one left open; and the largest signal batch of each run."""
-    pid = await _noop_worker(stack, stack.temporal.address, "bench-flood-noop")
-    await (await client.start_workflow("NoopWorkflow", 0, id=f"flood-warm-{uuid.uuid4()}",
-                                       task_queue="bench-flood-noop")).result()
+    pid = await _noop_worker(stack, client, "bench-flood-noop")
     memory, batches = [await _settled_memory(pid)], []
     for flood_number in range(3):
         after, batch = await _flood_sink(client, pid, "bench-flood-noop", stack.tenant, malformed, valid,
@@ -167,9 +169,7 @@ async def _sdk_alone_capped(stack: Stack, malformed: int, valid: int, cap: int) 
     await temporal.start()
     try:
         client = await Client.connect(temporal.address, data_converter=pydantic_data_converter)
-        pid = await _noop_worker(stack, temporal.address, "bench-flood-capped")
-        await (await client.start_workflow("NoopWorkflow", 0, id=f"flood-warm-{uuid.uuid4()}",
-                                           task_queue="bench-flood-capped")).result()
+        pid = await _noop_worker(stack, client, "bench-flood-capped")
         before = await _settled_memory(pid)
         after, batch = await _flood_sink(client, pid, "bench-flood-capped", stack.tenant, malformed, valid, end=True)
         await processes.stop(stack.processes.pop())  # before its server
