@@ -90,6 +90,14 @@ class Cancellations:
                                    "send the cancel signal: nothing recorded", type="CancelUpdateNotAccepted",
                                    non_retryable=True)
         request = _parse_update(payload)
+        row = self._state.row
+        # Another tenant's request is junk like a malformed one: accepted, it would enter the history and count
+        # towards the server's quota of Updates a run takes (history.maxTotalUpdates), which a run in the middle of
+        # an attempt cannot renew by continuing as new. The row would answer NotFound, recording nothing; the
+        # client answers that here too. A job's tenant never changes, so the row the run read decides it.
+        if row is not None and request.tenant_id != row.tenant_id:
+            raise ApplicationError("no such export for this tenant: nothing recorded", type="CancelExportNotFound",
+                                   non_retryable=True)
         if request.request_id not in self._answers and self._updates_waiting >= _MOST_WAITING:
             raise ApplicationError(f"{_MOST_WAITING} cancellation requests are waiting to be recorded; send it again "
                                    "shortly: nothing recorded", type="CancelRequestsWaiting", non_retryable=True)

@@ -109,6 +109,10 @@ async def test_a_cancel_is_answered_with_the_recorded_outcome_and_a_retry_is_the
     assert await exports.start(tenant_id=h.tenant_id, destination_id=h.destination_id, created_by="billing",
                                job_id=job_id) == job_id
     await _running(h, job_id)
+    # Another tenant's request is answered as the row answers it, NotFound; the run refused it unrecorded.
+    stranger = await exports.cancel(job_id, tenant_id=uuid.uuid4(), requested_by="mallory@example.com")
+    assert stranger.sent_as == "update" and stranger.result is not None
+    assert stranger.result.outcome is CancellationOutcome.NOT_FOUND, stranger
     request_id = uuid.uuid4()
     answer = await exports.cancel(job_id, tenant_id=h.tenant_id, requested_by="ann@example.com",
                                   reason="wrong list", request_id=request_id)
@@ -122,6 +126,8 @@ async def test_a_cancel_is_answered_with_the_recorded_outcome_and_a_retry_is_the
     row = await exports.describe(job_id)
     assert isinstance(row, JobRow) and row.status is Status.STOPPED and row.stop_request_id == request_id
     assert (await h.store.read_job(job_id)).stop_request_id == request_id
+    recorded = await h.db.admin.fetch("SELECT id FROM cancellation_requests WHERE job_id = $1", job_id)
+    assert [r["id"] for r in recorded] == [request_id]
     with pytest.raises(ExportNotRunning):
         await exports.cancel(job_id, tenant_id=h.tenant_id, requested_by="ann@example.com")
 

@@ -44,6 +44,8 @@ SIGNAL_CAP = 40
 # busy worker takes in one workflow task; the rest of the cap is the margin for that task's round trip.
 SUGGEST_AFTER = 30
 FLOOD_CAP = 100
+# The server's quota of Updates per run (history.maxTotalUpdates, 2,000 by default), lowered likewise.
+UPDATE_CAP = 20
 EARLY = patches.CANCEL_UPDATE
 _WORKFLOW_TASK = {EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED, EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED,
                   EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED}
@@ -124,6 +126,63 @@ async def test_past_the_servers_signal_cap_an_operator_still_cancels_by_update_a
                 assert row.stop_request_id == request_id, row
             finally:
                 await handle.terminate("test over")
+    finally:
+        await temporal.stop()
+
+
+@pytest.mark.spec("LD7")
+async def test_another_tenants_cancel_updates_during_a_build_are_refused_unrecorded_and_never_use_up_the_quota(
+        db, store, tmp_path):
+    """The server takes a bounded number of Updates into one run (history.maxTotalUpdates) and refuses every one
+    after that; a run in the middle of an attempt cannot continue as new to renew it. A well-formed request for
+    another tenant is junk: were it accepted (the row answers it NotFound), a few thousand of them during a build
+    would close the operator's path. The validator refuses it, so it never enters the history."""
+    temporal = LocalTemporal(tmp_path / "temporal", ui_port=free_port(),
+                             dynamic_config={"history.maxTotalUpdates": UPDATE_CAP})
+    await temporal.start()
+    try:
+        client = await Client.connect(temporal.address, data_converter=pydantic_data_converter)
+        async with AsyncExitStack() as stack:
+            # A build long enough for the whole flood: a stop ends it, through the database, within a second.
+            h = await open_harness(stack, db, store, client, tmp_path, early_patches=EARLY, contacts=2000,
+                                   build_throttle_bytes_per_second=1_000)
+            job_id = await h.create()
+            await eventually(lambda: h.store.read_job(job_id), lambda r: r.status is Status.RUNNING, timeout=BOUND,
+                             interval=0.1, what="the build running")
+            handle = client.get_workflow_handle(export_workflow_id(job_id), result_type=ExportResult)
+            try:
+                answered, refused = [], []
+                for _ in range(UPDATE_CAP):
+                    junk = {**_request(h), "tenant": str(uuid.uuid4())}
+                    try:
+                        answered.append(await asyncio.wait_for(
+                            handle.execute_update("cancel", junk, result_type=CancellationResult), timeout=BOUND))
+                    except WorkflowUpdateFailedError as err:
+                        refused.append(err.cause)
+                    except RPCError as err:  # the server's quota: the path closed
+                        refused.append(err)
+                assert (await h.store.read_job(job_id)).status is Status.RUNNING  # the flood came during the build
+                request_id = uuid.uuid4()
+                answer = await asyncio.wait_for(
+                    handle.execute_update("cancel", _request(h, request_id), result_type=CancellationResult),
+                    timeout=BOUND)
+                assert answer.outcome.value == "StopRequested", answer
+                assert answered == [], f"{len(answered)} of {UPDATE_CAP} accepted, the first {answered[0]}"
+                assert all("nothing recorded" in str(c) and getattr(c, "type", None) == "CancelExportNotFound"
+                           for c in refused), refused
+                accepted = await _events(handle, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED)
+                assert accepted == 1, accepted  # the operator's alone
+                result = await asyncio.wait_for(handle.result(), timeout=BOUND)
+                assert result.status is Status.STOPPED, result
+                row = await h.store.read_job(job_id)
+                assert row.stop_request_id == request_id, row
+                recorded = await h.db.admin.fetch("SELECT id FROM cancellation_requests WHERE job_id = $1", job_id)
+                assert [r["id"] for r in recorded] == [request_id]
+            finally:
+                try:
+                    await handle.terminate("test over")
+                except RPCError:
+                    pass  # it had ended
     finally:
         await temporal.stop()
 

@@ -18,6 +18,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from exports_client.contracts import (
+    CancellationOutcome,
     CancellationResult,
     CancelRequest,
     CreateExport,
@@ -33,6 +34,8 @@ DEFAULT_TASK_QUEUE = "exports"
 # The run's answer to a cancel Update it does not take yet (a release that only understands it): the signal
 # carries the same request instead.
 UPDATE_NOT_ACCEPTED = "CancelUpdateNotAccepted"
+# The run's refusal of a cancel Update for another tenant: answered as the row answers it, NotFound.
+UPDATE_EXPORT_NOT_FOUND = "CancelExportNotFound"
 
 
 # The `row` query's answer: the SDK's type hint takes a class, the converter any type pydantic can validate.
@@ -170,6 +173,9 @@ class ExportsWorkflowClient:
             cause = exc.cause
             if isinstance(cause, ApplicationError) and cause.type == UPDATE_NOT_ACCEPTED:
                 return await self._signal(handle, request)
+            if isinstance(cause, ApplicationError) and cause.type == UPDATE_EXPORT_NOT_FOUND:
+                return CancelAnswer(request_id=request.request_id, sent_as="update", result=CancellationResult(
+                    request_id=request.request_id, outcome=CancellationOutcome.NOT_FOUND))
             if isinstance(cause, ApplicationError):
                 raise CancelRefused(cause.type or "CancelRefused", cause.message) from None
             raise
