@@ -93,8 +93,8 @@ class Cancellations:
         row = self._state.row
         # Another tenant's request is junk like a malformed one: accepted, it would enter the history and count
         # towards the server's quota of Updates a run takes (history.maxTotalUpdates), which a run in the middle of
-        # an attempt cannot renew by continuing as new. The row would answer NotFound, recording nothing; the
-        # client answers that here too. A job's tenant never changes, so the row the run read decides it.
+        # an attempt cannot renew by continuing as new. The row would answer NotFound, recording nothing, and the
+        # client package turns this refusal into that answer. A job's tenant never changes: the row read decides.
         if row is not None and request.tenant_id != row.tenant_id:
             raise ApplicationError("no such export for this tenant: nothing recorded", type="CancelExportNotFound",
                                    non_retryable=True)
