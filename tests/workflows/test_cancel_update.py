@@ -15,7 +15,8 @@ import signal
 import subprocess
 import tempfile
 import uuid
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 from temporalio.api.enums.v1 import EventType
@@ -51,6 +52,18 @@ _WORKFLOW_TASK = {EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED, EventType.EVENT_
                   EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED}
 
 
+@asynccontextmanager
+async def _own_server(tmp_path, dynamic_config: dict[str, object]) -> AsyncIterator[Client]:
+    """A Temporal dev server of the test's own, with server limits lowered so that the test reaches them in seconds:
+    a client to it. Stopped afterwards."""
+    temporal = LocalTemporal(tmp_path / "temporal", ui_port=free_port(), dynamic_config=dynamic_config)
+    await temporal.start()
+    try:
+        yield await Client.connect(temporal.address, data_converter=pydantic_data_converter)
+    finally:
+        await temporal.stop()
+
+
 async def _waiting_run(h: Harness):
     """An export held Running by an attempt of the test's: its run only waits, and serves cancellations."""
     job_id = uuid.uuid4()
@@ -74,11 +87,7 @@ async def _events(handle, kind: EventType.ValueType) -> int:
 @pytest.mark.spec("LD7")
 async def test_past_the_servers_signal_cap_an_operator_still_cancels_by_update_and_junk_updates_cost_nothing(
         db, store, tmp_path, monkeypatch):
-    temporal = LocalTemporal(tmp_path / "temporal", ui_port=free_port(),
-                             dynamic_config={"history.maximumSignalsPerExecution": SIGNAL_CAP})
-    await temporal.start()
-    try:
-        client = await Client.connect(temporal.address, data_converter=pydantic_data_converter)
+    async with _own_server(tmp_path, {"history.maximumSignalsPerExecution": SIGNAL_CAP}) as client:
         async with AsyncExitStack() as stack:
             h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False, early_patches=EARLY)
             job_id, handle = await _waiting_run(h)
@@ -126,8 +135,6 @@ async def test_past_the_servers_signal_cap_an_operator_still_cancels_by_update_a
                 assert row.stop_request_id == request_id, row
             finally:
                 await handle.terminate("test over")
-    finally:
-        await temporal.stop()
 
 
 @pytest.mark.spec("LD7")
@@ -137,11 +144,7 @@ async def test_another_tenants_cancel_updates_during_a_build_are_refused_unrecor
     after that; a run in the middle of an attempt cannot continue as new to renew it. A well-formed request for
     another tenant is junk: were it accepted (the row answers it NotFound), a few thousand of them during a build
     would close the operator's path. The validator refuses it, so it never enters the history."""
-    temporal = LocalTemporal(tmp_path / "temporal", ui_port=free_port(),
-                             dynamic_config={"history.maxTotalUpdates": UPDATE_CAP})
-    await temporal.start()
-    try:
-        client = await Client.connect(temporal.address, data_converter=pydantic_data_converter)
+    async with _own_server(tmp_path, {"history.maxTotalUpdates": UPDATE_CAP}) as client:
         async with AsyncExitStack() as stack:
             # A build long enough for the whole flood: a stop ends it, through the database, within a second.
             h = await open_harness(stack, db, store, client, tmp_path, early_patches=EARLY, contacts=2000,
@@ -183,8 +186,6 @@ async def test_another_tenants_cancel_updates_during_a_build_are_refused_unrecor
                     await handle.terminate("test over")
                 except RPCError:
                     pass  # it had ended
-    finally:
-        await temporal.stop()
 
 
 @pytest.mark.spec("LD7")
@@ -237,11 +238,8 @@ async def test_a_waiting_run_flooded_with_signals_continues_as_new_and_never_rea
         db, store, tmp_path, monkeypatch):
     """Past the history length at which Temporal suggests it, a run between attempts continues as new: its
     history stays bounded, and a fresh run takes signals again, so the flood never closes the signal path."""
-    temporal = LocalTemporal(tmp_path / "temporal", ui_port=free_port(), dynamic_config={
-        "history.maximumSignalsPerExecution": FLOOD_CAP, "limit.historyCount.suggestContinueAsNew": SUGGEST_AFTER})
-    await temporal.start()
-    try:
-        client = await Client.connect(temporal.address, data_converter=pydantic_data_converter)
+    async with _own_server(tmp_path, {"history.maximumSignalsPerExecution": FLOOD_CAP,
+                                      "limit.historyCount.suggestContinueAsNew": SUGGEST_AFTER}) as client:
         async with AsyncExitStack() as stack:
             h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False, early_patches=EARLY)
             job_id, handle = await _waiting_run(h)
@@ -264,8 +262,6 @@ async def test_a_waiting_run_flooded_with_signals_continues_as_new_and_never_rea
                 assert row.stop_request_id == request_id, row
             finally:
                 await latest.terminate("test over")
-    finally:
-        await temporal.stop()
 
 
 def test_early_patches_are_only_those_this_release_understands_and_a_wrong_name_is_one_line():
