@@ -359,14 +359,20 @@ async def send_hostile(c: Chaos, job_id: uuid.UUID) -> bool:
     return True
 
 
+HOSTILE_AIM_WITHIN = 20.0  # seconds: with about one export in flight at a time, a few looks may find none open
+
+
 async def send_hostile_to_an_open_run(c: Chaos) -> None:
-    """A hostile signal to an export being built or delivered (its workflow open to take a signal); one that ends
-    between the look and the signal is replaced by another, a few times at most."""
-    for _ in range(5):
+    """A hostile signal to an export being built or delivered (its workflow open to take a signal). A look that finds
+    none, or one that ends between the look and the signal, is followed by another, for a bounded time."""
+    deadline = time.monotonic() + HOSTILE_AIM_WITHIN
+    while time.monotonic() < deadline:
+        # Queued rows are left out: the dispatcher may not have started their workflow yet.
         open_ = [r["id"] for r in await in_flight(c) if r["status"] != "Queued"]
-        if await send_hostile(c, c.rng.choice(open_ or c.jobs[-8:])):
+        if open_ and await send_hostile(c, c.rng.choice(open_)):
             return
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.2)
+    c.note(f"no open run took a hostile signal within {HOSTILE_AIM_WITHIN:.0f} s")
 
 
 async def restart_temporal(c: Chaos) -> Fault:
