@@ -247,14 +247,19 @@ async def test_the_dispatcher_holds_no_row_lock_while_temporal_does_not_answer(d
 
 @pytest.mark.spec("OU4")
 async def test_a_build_that_finished_while_temporal_was_down_is_not_built_again(db, store, tmp_path):
-    """The Temporal server stops as a build runs and starts again (on its database file) three leases after the
+    """The Temporal server stops as a build runs and starts again (on its database file) more than a lease after the
     build finished: the completion was never reported, the build's heartbeat times out, and the resumption on the
-    same worker delivers the file that build finished rather than reading the contacts again."""
+    same worker delivers the file that build finished rather than reading the contacts again.
+
+    The lease is longer than the suite's: the steps after the build wait one lease for the worker's own queue, and
+    after an outage the worker's pollers come back only as their backoff allows (sdk-core doubles a failed poll's
+    wait from 0.2 s up to 10 s): with a 2 s lease, cutoff 2 could time out before the live worker polled again."""
+    lease = 6.0
     temporal = LocalTemporal(tmp_path / "temporal", ui_port=free_port())
     await temporal.start()
     try:
         own = await Client.connect(temporal.address, data_converter=pydantic_data_converter)
-        async with crash_world(db, store, own, tmp_path) as h, processes(h) as started:
+        async with crash_world(db, store, own, tmp_path, lease_seconds=lease) as h, processes(h) as started:
             worker = await start_worker(started, h, hold_at="build_started", temporal_address=temporal.address)
             job_id = await h.create()
             await held_at(h.settings, "build_started", job_id, timeout=BOUND)
@@ -263,7 +268,7 @@ async def test_a_build_that_finished_while_temporal_was_down_is_not_built_again(
             await asyncio.sleep(1.0)  # the build (200 contacts) finishes; its completion finds no server
             # What a second build would read, and the first did not.
             await h.db.admin.execute("UPDATE contacts SET first_name = 'Rebuilt' WHERE tenant_id = $1", h.tenant_id)
-            await asyncio.sleep(3 * LEASE)
+            await asyncio.sleep(lease + 2.0)  # past the build's heartbeat timeout
             await temporal.start()
             row = await h.settled(job_id)
             assert worker.process.returncode is None
