@@ -115,6 +115,7 @@ class ExportWorkflow:
         # that does not know it could not replay an accepted one.
         self._cancellations.updates_on = workflow.patched(patches.CANCEL_UPDATE)
         request = _validated_start(payload)
+        self._state.start_tenant = _start_tenant(request)
         # Temporal's cancel must not cancel an attempt's steps (least of all a delivery): it becomes a stop
         # request, decided under the row lock like any other, and the run goes on to the row's final state.
         drive = asyncio.create_task(self._drive(request))
@@ -450,6 +451,18 @@ def _size(size: float) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1000
     return f"{size} B"
+
+
+def _start_tenant(request: ExportInput) -> uuid.UUID | None:
+    """The tenant the run's start named: its creation's, else its fairness key (the dispatcher and the client
+    package key every run to its tenant, LD5). None for a start that named none (by hand, or a continued run whose
+    key did not carry over)."""
+    if request.create is not None:
+        return request.create.tenant_id
+    try:
+        return uuid.UUID(workflow.info().priority.fairness_key or "")
+    except ValueError:
+        return None
 
 
 def _validated_start(payload: Any) -> ExportInput:

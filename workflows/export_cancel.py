@@ -95,7 +95,11 @@ class Cancellations:
         # towards the server's quota of Updates a run takes (history.maxTotalUpdates), which a run in the middle of
         # an attempt cannot renew by continuing as new. The row would answer NotFound, recording nothing, and the
         # client package turns this refusal into that answer. A job's tenant never changes: the row read decides.
-        if row is not None and request.tenant_id != row.tenant_id:
+        # Before that read (it comes with the claim, which may wait an hour for a build slot), the tenant the start
+        # named does. A run started by hand keyed to another tenant refuses its own tenant's Update so until the
+        # claim; the signal and `exports cancel` record it meanwhile.
+        tenant = row.tenant_id if row is not None else self._state.start_tenant
+        if tenant is not None and request.tenant_id != tenant:
             raise ApplicationError("no such export for this tenant: nothing recorded", type="CancelExportNotFound",
                                    non_retryable=True)
         if request.request_id not in self._answers and self._updates_waiting >= _MOST_WAITING:

@@ -3,6 +3,7 @@ step's failure reads in one line."""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TypedDict
@@ -38,6 +39,8 @@ class RunState:
     """What the run knows between its steps. Everything else is read from the row."""
 
     row: JobRow | None = None  # as last read: what the `row` query answers
+    # The tenant the run's start named (its creation's, else its fairness key), until the row is read.
+    start_tenant: uuid.UUID | None = None
     woken: bool = False  # a wake-up arrived since the row was last read
     seen_messages: set[str] = field(default_factory=set)  # wake-ups taken, by outbox message ID
     stop_seen: bool = False  # a stop request is recorded: no build starts, a running one is cancelled

@@ -20,9 +20,9 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowQueryFailedError, WorkflowUpdateFailedError
 from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import PatchActivationInput
 
 from activities.contracts import ExportInput, ExportResult
@@ -74,7 +74,7 @@ async def _waiting_run(h: Harness):
                                            task_queue=h.settings.task_queue, result_type=ExportResult)
     # Ready once the run has read its row: a flood sent sooner meets the run's first workflow task, which loads the
     # workflow's module (a second or so) while the signals pile up.
-    await eventually(lambda: handle.query("row"), lambda row: row is not None, timeout=BOUND, interval=0.1,
+    await eventually(lambda: _row_read(handle), lambda row: row is not None, timeout=BOUND, interval=0.1,
                      what="the run's first read of its row")
     return job_id, handle
 
@@ -159,7 +159,7 @@ async def test_another_tenants_cancel_updates_during_a_build_are_refused_unrecor
             handle = client.get_workflow_handle(export_workflow_id(job_id), result_type=ExportResult)
             # The run's own read of the row too: an Update that comes with the activity's result that brings the row
             # is validated before the run takes that result in, when it cannot yet tell the tenant.
-            await eventually(lambda: handle.query("row"), lambda r: r is not None, timeout=BOUND, interval=0.1,
+            await eventually(lambda: _row_read(handle), lambda r: r is not None, timeout=BOUND, interval=0.1,
                              what="the run's first read of its row")
             try:
                 answered, refused = [], []
@@ -194,6 +194,78 @@ async def test_another_tenants_cancel_updates_during_a_build_are_refused_unrecor
                     await handle.terminate("test over")
                 except RPCError:
                     pass  # it had ended
+
+
+@pytest.mark.spec("LD7")
+async def test_another_tenants_cancel_updates_while_the_claim_waits_for_a_build_slot_are_refused_by_the_starts_tenant(
+        db, store, tmp_path):
+    """Under load, a claim waits (up to an hour) for a worker with a build slot free, and only its result brings the
+    run its row. Meanwhile the tenant the run was started for (its fairness key, which the dispatcher sets) judges a
+    cancel Update: another tenant's is refused and never uses up the quota; the tenant's own is recorded."""
+    async with _own_server(tmp_path, {"history.maxTotalUpdates": UPDATE_CAP}) as client:
+        async with AsyncExitStack() as stack:
+            # One build slot, held by a slow build: the next export's claim waits for it.
+            h = await open_harness(stack, db, store, client, tmp_path, early_patches=EARLY, contacts=2000,
+                                   build_throttle_bytes_per_second=1_000, max_builds=1)
+            busy = await h.create()
+            await eventually(lambda: h.store.read_job(busy), lambda r: r.status is Status.RUNNING, timeout=BOUND,
+                             interval=0.1, what="the slow build holding the only slot")
+            job_id = await h.create()
+            handle = client.get_workflow_handle(export_workflow_id(job_id), result_type=ExportResult)
+            handles = [client.get_workflow_handle(export_workflow_id(busy)), handle]
+            try:
+                await eventually(lambda: _described(handle), lambda d: d is not None, timeout=BOUND, interval=0.1,
+                                 what="the waiting export's run started")
+                await asyncio.sleep(1.0)  # its claim scheduled, and waiting
+                assert await handle.query("row") is None  # the run has not read its row
+                answered, refused = [], []
+                for _ in range(UPDATE_CAP):
+                    junk = {**_request(h), "tenant": str(uuid.uuid4())}
+                    try:
+                        answered.append(await asyncio.wait_for(
+                            handle.execute_update("cancel", junk, result_type=CancellationResult), timeout=BOUND))
+                    except WorkflowUpdateFailedError as err:
+                        refused.append(err.cause)
+                    except RPCError as err:  # the server's quota: the path closed
+                        refused.append(err)
+                assert await handle.query("row") is None  # the flood came while the claim waited
+                request_id = uuid.uuid4()
+                answer = await asyncio.wait_for(
+                    handle.execute_update("cancel", _request(h, request_id), result_type=CancellationResult),
+                    timeout=BOUND)
+                assert answer.outcome.value == "CanceledWhileQueued", answer
+                assert answered == [], f"{len(answered)} of {UPDATE_CAP} accepted, the first {answered[0]}"
+                assert all("nothing recorded" in str(c) and getattr(c, "type", None) == "CancelExportNotFound"
+                           for c in refused), refused
+                accepted = await _events(handle, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED)
+                assert accepted == 1, accepted  # the operator's alone
+                row = await h.store.read_job(job_id)
+                assert (row.status, row.cancellation_request_id) == (Status.CANCELED, request_id), row
+                recorded = await h.db.admin.fetch("SELECT id FROM cancellation_requests WHERE job_id = $1", job_id)
+                assert [r["id"] for r in recorded] == [request_id]
+            finally:
+                for each in handles:
+                    try:
+                        await each.terminate("test over")
+                    except RPCError:
+                        pass  # it had ended
+
+
+async def _row_read(handle):
+    """The run's `row` query; None also while the run cannot answer yet (its first workflow task not done)."""
+    try:
+        return await handle.query("row")
+    except (RPCError, WorkflowQueryFailedError):
+        return None
+
+
+async def _described(handle):
+    try:
+        return await handle.describe()
+    except RPCError as err:
+        if err.status is RPCStatusCode.NOT_FOUND:
+            return None
+        raise
 
 
 @pytest.mark.spec("LD7")
