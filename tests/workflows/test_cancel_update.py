@@ -15,7 +15,7 @@ import signal
 import subprocess
 import tempfile
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
@@ -162,33 +162,16 @@ async def test_another_tenants_cancel_updates_during_a_build_are_refused_unrecor
             await eventually(lambda: _row_read(handle), lambda r: r is not None, timeout=BOUND, interval=0.1,
                              what="the run's first read of its row")
             try:
-                answered, refused = [], []
-                for _ in range(UPDATE_CAP):
-                    junk = {**_request(h), "tenant": str(uuid.uuid4())}
-                    try:
-                        answered.append(await asyncio.wait_for(
-                            handle.execute_update("cancel", junk, result_type=CancellationResult), timeout=BOUND))
-                    except WorkflowUpdateFailedError as err:
-                        refused.append(err.cause)
-                    except RPCError as err:  # the server's quota: the path closed
-                        refused.append(err)
-                assert (await h.store.read_job(job_id)).status is Status.RUNNING  # the flood came during the build
-                request_id = uuid.uuid4()
-                answer = await asyncio.wait_for(
-                    handle.execute_update("cancel", _request(h, request_id), result_type=CancellationResult),
-                    timeout=BOUND)
+                async def building() -> bool:
+                    return (await h.store.read_job(job_id)).status is Status.RUNNING
+
+                request_id, answer = await _another_tenants_flood_then_the_operators_cancel(h, job_id, handle,
+                                                                                           building)
                 assert answer.outcome.value == "StopRequested", answer
-                assert answered == [], f"{len(answered)} of {UPDATE_CAP} accepted, the first {answered[0]}"
-                assert all("nothing recorded" in str(c) and getattr(c, "type", None) == "CancelExportNotFound"
-                           for c in refused), refused
-                accepted = await _events(handle, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED)
-                assert accepted == 1, accepted  # the operator's alone
                 result = await asyncio.wait_for(handle.result(), timeout=BOUND)
                 assert result.status is Status.STOPPED, result
                 row = await h.store.read_job(job_id)
                 assert row.stop_request_id == request_id, row
-                recorded = await h.db.admin.fetch("SELECT id FROM cancellation_requests WHERE job_id = $1", job_id)
-                assert [r["id"] for r in recorded] == [request_id]
             finally:
                 try:
                     await handle.terminate("test over")
@@ -217,38 +200,50 @@ async def test_another_tenants_cancel_updates_while_the_claim_waits_for_a_build_
                 await eventually(lambda: _described(handle), lambda d: d is not None, timeout=BOUND, interval=0.1,
                                  what="the waiting export's run started")
                 await asyncio.sleep(1.0)  # its claim scheduled, and waiting
-                assert await handle.query("row") is None  # the run has not read its row
-                answered, refused = [], []
-                for _ in range(UPDATE_CAP):
-                    junk = {**_request(h), "tenant": str(uuid.uuid4())}
-                    try:
-                        answered.append(await asyncio.wait_for(
-                            handle.execute_update("cancel", junk, result_type=CancellationResult), timeout=BOUND))
-                    except WorkflowUpdateFailedError as err:
-                        refused.append(err.cause)
-                    except RPCError as err:  # the server's quota: the path closed
-                        refused.append(err)
-                assert await handle.query("row") is None  # the flood came while the claim waited
-                request_id = uuid.uuid4()
-                answer = await asyncio.wait_for(
-                    handle.execute_update("cancel", _request(h, request_id), result_type=CancellationResult),
-                    timeout=BOUND)
+                async def unread() -> bool:
+                    return await handle.query("row") is None
+
+                assert await unread()  # the run has not read its row
+                request_id, answer = await _another_tenants_flood_then_the_operators_cancel(h, job_id, handle, unread)
                 assert answer.outcome.value == "CanceledWhileQueued", answer
-                assert answered == [], f"{len(answered)} of {UPDATE_CAP} accepted, the first {answered[0]}"
-                assert all("nothing recorded" in str(c) and getattr(c, "type", None) == "CancelExportNotFound"
-                           for c in refused), refused
-                accepted = await _events(handle, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED)
-                assert accepted == 1, accepted  # the operator's alone
                 row = await h.store.read_job(job_id)
                 assert (row.status, row.cancellation_request_id) == (Status.CANCELED, request_id), row
-                recorded = await h.db.admin.fetch("SELECT id FROM cancellation_requests WHERE job_id = $1", job_id)
-                assert [r["id"] for r in recorded] == [request_id]
             finally:
                 for each in handles:
                     try:
                         await each.terminate("test over")
                     except RPCError:
                         pass  # it had ended
+
+
+async def _another_tenants_flood_then_the_operators_cancel(
+        h: Harness, job_id: uuid.UUID, handle, still: Callable[[], Awaitable[bool]]
+) -> tuple[uuid.UUID, CancellationResult]:
+    """As many well-formed cancel Updates for other tenants as the server's quota (lowered to UPDATE_CAP), while
+    `still` holds, then the operator's own: each junk one refused unrecorded, the operator's the only one accepted
+    and the only request recorded. The operator's request ID and its answer."""
+    answered, refused = [], []
+    for _ in range(UPDATE_CAP):
+        junk = {**_request(h), "tenant": str(uuid.uuid4())}
+        try:
+            answered.append(await asyncio.wait_for(
+                handle.execute_update("cancel", junk, result_type=CancellationResult), timeout=BOUND))
+        except WorkflowUpdateFailedError as err:
+            refused.append(err.cause)
+        except RPCError as err:  # the server's quota: the path closed
+            refused.append(err)
+    assert await still(), "the flood came too late"
+    request_id = uuid.uuid4()
+    answer = await asyncio.wait_for(
+        handle.execute_update("cancel", _request(h, request_id), result_type=CancellationResult), timeout=BOUND)
+    assert answered == [], f"{len(answered)} of {UPDATE_CAP} accepted, the first {answered[0]}"
+    assert all("nothing recorded" in str(c) and getattr(c, "type", None) == "CancelExportNotFound"
+               for c in refused), refused
+    accepted = await _events(handle, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED)
+    assert accepted == 1, accepted  # the operator's alone
+    recorded = await h.db.admin.fetch("SELECT id FROM cancellation_requests WHERE job_id = $1", job_id)
+    assert [r["id"] for r in recorded] == [request_id]
+    return request_id, answer
 
 
 async def _row_read(handle):
