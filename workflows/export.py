@@ -455,8 +455,8 @@ def _size(size: float) -> str:
 
 def _start_tenant(request: ExportInput) -> uuid.UUID | None:
     """The tenant the run's start named: its creation's, else its fairness key (the dispatcher and the client
-    package key every run to its tenant, LD5). None for a start that named none (by hand, or a continued run whose
-    key did not carry over)."""
+    package key every run to its tenant, LD5; the server carries the key over to a continued run). None for a
+    start that named none (by hand, without a key)."""
     if request.create is not None:
         return request.create.tenant_id
     try:

@@ -21,6 +21,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowQueryFailedError, WorkflowUpdateFailedError
+from temporalio.common import Priority
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import PatchActivationInput
@@ -70,8 +71,10 @@ async def _waiting_run(h: Harness):
     await h.store.create_job(job_id=job_id, tenant_id=h.tenant_id, destination_id=h.destination_id,
                              delivery_key=f"k{job_id.hex[:12]}", created_by="tests")
     await drive(h.store, job_id, Status.RUNNING)
+    # Keyed to its tenant, as the dispatcher and the client package start every run.
     handle = await h.client.start_workflow("ExportWorkflow", ExportInput(job_id=job_id), id=export_workflow_id(job_id),
-                                           task_queue=h.settings.task_queue, result_type=ExportResult)
+                                           task_queue=h.settings.task_queue, result_type=ExportResult,
+                                           priority=Priority(fairness_key=str(h.tenant_id)))
     # Ready once the run has read its row: a flood sent sooner meets the run's first workflow task, which loads the
     # workflow's module (a second or so) while the signals pile up.
     await eventually(lambda: _row_read(handle), lambda row: row is not None, timeout=BOUND, interval=0.1,
@@ -326,6 +329,11 @@ async def test_a_waiting_run_flooded_with_signals_continues_as_new_and_never_rea
                 assert first.status.name == "CONTINUED_AS_NEW", first.status
                 runs = [w async for w in client.list_workflows(f"WorkflowId = '{export_workflow_id(job_id)}'")]
                 assert len(runs) >= 3, [r.status for r in runs]
+                # Each continued run keeps its start's fairness key, by which the cancel Update's validator judges a
+                # tenant until the run has read its row.
+                keys = {(await client.get_workflow_handle(r.id, run_id=r.run_id).describe())
+                        .raw_description.workflow_execution_info.priority.fairness_key for r in runs}
+                assert keys == {str(h.tenant_id)}, keys
                 longest = max([len((await client.get_workflow_handle(r.id, run_id=r.run_id).fetch_history()).events)
                                for r in runs])
                 # Continued as new before the cap: alone, it would let a run take FLOOD_CAP signals and more events.
