@@ -63,7 +63,9 @@ class LoseClaimResponseOnce(Checkpoints):
 async def settled_with(stack: AsyncExitStack, checkpoints: Checkpoints, db, store, client,
                        tmp_path: Path) -> tuple[Harness, uuid.UUID, JobRow]:
     """One export through a worker whose checkpoints inject a fault; its settled row."""
-    h = await lease_harness(stack, db, store, client, tmp_path, hold=None)
+    # After its commit the claim's keeper renews the lease for the build until the hand-over window ends, which
+    # counts the sticky timeout: a short one, so that LoseClaimResponseOnce's lease lapses in seconds, not 22.
+    h = await lease_harness(stack, db, store, client, tmp_path, hold=None, sticky_queue_timeout_seconds=1.0)
     if isinstance(checkpoints, LoseClaimResponseOnce):
         checkpoints.h = h  # it runs recovery itself
     h.activities.checkpoints = checkpoints
