@@ -1,6 +1,6 @@
 """The bench's count of Temporal actions (C1, bench/cost.py) read against histories recorded on a real server: it
-follows Temporal Cloud's published rules, so that the row says what an export would be billed, neither the events
-a history holds nor less."""
+follows Temporal Cloud's published rules, so that the row says what an export would be billed, not how many of its
+events look billable."""
 
 from __future__ import annotations
 
