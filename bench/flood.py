@@ -67,7 +67,7 @@ async def _send(handle, payloads: list[object]) -> int:  # type: ignore[no-untyp
     return refused
 
 
-async def _settled_memory(pid: int, quiet_seconds: float = 3.0, timeout: float = 300.0) -> float:
+async def _settled_memory(pid: int, quiet_seconds: float, timeout: float = 300.0) -> float:
     """The worker's memory once it has stopped changing for a few seconds (the run has caught up)."""
     deadline = time.monotonic() + timeout
     last = rss_megabytes(pid)
@@ -115,7 +115,7 @@ def largest_signal_batch(history) -> int:  # type: ignore[no-untyped-def]
 
 
 async def _flood_sink(client: Client, pid: int, task_queue: str, tenant: uuid.UUID, malformed: int, valid: int, *,
-                      end: bool) -> tuple[float, int]:
+                      end: bool, quiet: float) -> tuple[float, int]:
     """One flood to a new workflow that ignores it, ended afterwards (so it leaves the worker's cache) or left open:
     the no-op worker's memory once settled, and the most signals one workflow task brought the run."""
     handle = await client.start_workflow("SignalSinkWorkflow", id=f"flood-sink-{uuid.uuid4()}", task_queue=task_queue)
@@ -130,7 +130,7 @@ async def _flood_sink(client: Client, pid: int, task_queue: str, tenant: uuid.UU
             await asyncio.wait_for(handle.result(), timeout=120)
         except WorkflowFailureError:
             pass
-    memory = await _settled_memory(pid)
+    memory = await _settled_memory(pid, quiet)
     batch = largest_signal_batch(await handle.fetch_history())
     if not end:
         await handle.terminate("the flood's baseline measured")
@@ -148,20 +148,22 @@ async def _noop_worker(stack: Stack, client: Client, task_queue: str) -> int:
     return pid
 
 
-async def _sdk_alone(stack: Stack, client: Client, malformed: int, valid: int) -> tuple[list[float], list[int]]:
+async def _sdk_alone(stack: Stack, client: Client, malformed: int, valid: int,
+                     quiet: float) -> tuple[list[float], list[int]]:
     """A no-op worker's memory before, after each of two floods to a workflow that ends once flooded, and after a
     third to one left open; and the largest signal batch of each run."""
     pid = await _noop_worker(stack, client, "bench-flood-noop")
-    memory, batches = [await _settled_memory(pid)], []
+    memory, batches = [await _settled_memory(pid, quiet)], []
     for flood_number in range(3):
         after, batch = await _flood_sink(client, pid, "bench-flood-noop", stack.tenant, malformed, valid,
-                                         end=flood_number < 2)
+                                         end=flood_number < 2, quiet=quiet)
         memory.append(after)
         batches.append(batch)
     return memory, batches
 
 
-async def _sdk_alone_capped(stack: Stack, malformed: int, valid: int, cap: int) -> tuple[float, float, int]:
+async def _sdk_alone_capped(stack: Stack, malformed: int, valid: int, cap: int,
+                            quiet: float) -> tuple[float, float, int]:
     """The same flood, once, to a workflow on a server whose per-run cap on signals is `cap`: a no-op worker's
     memory before and after, and the largest signal batch."""
     temporal = LocalTemporal(stack.folder / "temporal-capped", ui_port=free_port(),
@@ -170,15 +172,17 @@ async def _sdk_alone_capped(stack: Stack, malformed: int, valid: int, cap: int) 
     try:
         client = await Client.connect(temporal.address, data_converter=pydantic_data_converter)
         pid = await _noop_worker(stack, client, "bench-flood-capped")
-        before = await _settled_memory(pid)
-        after, batch = await _flood_sink(client, pid, "bench-flood-capped", stack.tenant, malformed, valid, end=True)
+        before = await _settled_memory(pid, quiet)
+        after, batch = await _flood_sink(client, pid, "bench-flood-capped", stack.tenant, malformed, valid, end=True,
+                                         quiet=quiet)
         await processes.stop(stack.processes.pop())  # before its server
         return before, after, batch
     finally:
         await temporal.stop()
 
 
-async def measure(*, malformed: int, valid: int) -> Row:
+async def measure(*, malformed: int, valid: int, quiet_seconds: float = 3.0) -> Row:
+    """`quiet_seconds`: how long the worker's memory must hold still to count as settled."""
     async with full_stack("flood", contacts=2000) as stack:
         # The cancel Update, which this release ships for the next to activate, is activated early here: the row
         # says whether an operator can still cancel once the flood has filled the run's signal quota.
@@ -197,19 +201,19 @@ async def measure(*, malformed: int, valid: int) -> Row:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"export {job} never started its upload")
                 await asyncio.sleep(0.2)
-            before = await _settled_memory(worker_pid)
+            before = await _settled_memory(worker_pid, quiet_seconds)
             handle = client.get_workflow_handle(export_workflow_id(job))
             run_id = (await handle.describe()).run_id
             junk, cancels = _flood(stack.tenant, malformed, valid)
             refused_junk = await _send(handle, junk)
             refused_valid = await _send(handle, cancels)
             by_update = await _cancel_by_update(handle, stack.tenant)
-            after = await _settled_memory(worker_pid)
+            after = await _settled_memory(worker_pid, quiet_seconds)
             status = await stack.admin.fetchval("SELECT status FROM export_jobs WHERE id = $1", job)
             batch = largest_signal_batch(await client.get_workflow_handle(
                 export_workflow_id(job), run_id=run_id).fetch_history())
-            sink, sink_batches = await _sdk_alone(stack, client, malformed, valid)
-            capped = await _sdk_alone_capped(stack, malformed, valid, SUGGESTED_SIGNAL_CAP)
+            sink, sink_batches = await _sdk_alone(stack, client, malformed, valid, quiet_seconds)
+            capped = await _sdk_alone_capped(stack, malformed, valid, SUGGESTED_SIGNAL_CAP, quiet_seconds)
         finally:
             await engine.dispose()
     row = Row("C2", f"worker memory growth after {malformed:,} malformed and {valid:,} valid cancel signals", "MB",

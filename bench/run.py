@@ -32,7 +32,7 @@ SIZES = {
     "C1": ({"long_seconds": 60.0, "renew_every": 20.0}, {"long_seconds": 6.0, "renew_every": 2.0}),
     "S2": ({"small": 20, "slow": 110, "slow_megabytes": 5.5}, {"small": 4, "slow": 6, "slow_megabytes": 0.3}),
     "S3": ({"burst": 1000}, {"burst": 24}),
-    "C2": ({"malformed": 10_000, "valid": 3_000}, {"malformed": 100, "valid": 20}),
+    "C2": ({"malformed": 10_000, "valid": 3_000}, {"malformed": 100, "valid": 20, "quiet_seconds": 0.5}),
 }
 MEASURES = {"P1": throughput.measure, "P2": stop.measure, "P3": claims.measure, "P4": recovery.measure,
             "P5": build.measure, "P6": upload.measure, "S1": scaling.measure,
@@ -51,8 +51,10 @@ async def main(quick: bool, only: set[str] | None, json_path: Path) -> int:
         if why_not:
             rows.append(Row(measure_id, measure_id, "", None, None, "-", "-", notes=[f"skipped: {why_not}"]))
             continue
-        print(f"measuring {measure_id} ...", flush=True)
+        print(f"measuring {measure_id} ...", end=" ", flush=True)
+        began = time.perf_counter()
         measured = await MEASURES[measure_id](**SIZES[measure_id][1 if quick else 0])
+        print(f"{time.perf_counter() - began:.0f} s", flush=True)
         rows += measured if isinstance(measured, list) else [measured]
     print()
     print(render(rows))
