@@ -115,7 +115,7 @@ def largest_signal_batch(history) -> int:  # type: ignore[no-untyped-def]
 
 
 async def _flood_sink(client: Client, pid: int, task_queue: str, tenant: uuid.UUID, malformed: int, valid: int, *,
-                      end: bool, quiet: float) -> tuple[float, int]:
+                      end: bool, quiet_seconds: float) -> tuple[float, int]:
     """One flood to a new workflow that ignores it, ended afterwards (so it leaves the worker's cache) or left open:
     the no-op worker's memory once settled, and the most signals one workflow task brought the run."""
     handle = await client.start_workflow("SignalSinkWorkflow", id=f"flood-sink-{uuid.uuid4()}", task_queue=task_queue)
@@ -130,7 +130,7 @@ async def _flood_sink(client: Client, pid: int, task_queue: str, tenant: uuid.UU
             await asyncio.wait_for(handle.result(), timeout=120)
         except WorkflowFailureError:
             pass
-    memory = await _settled_memory(pid, quiet)
+    memory = await _settled_memory(pid, quiet_seconds)
     batch = largest_signal_batch(await handle.fetch_history())
     if not end:
         await handle.terminate("the flood's baseline measured")
@@ -149,21 +149,21 @@ async def _noop_worker(stack: Stack, client: Client, task_queue: str) -> int:
 
 
 async def _sdk_alone(stack: Stack, client: Client, malformed: int, valid: int,
-                     quiet: float) -> tuple[list[float], list[int]]:
+                     quiet_seconds: float) -> tuple[list[float], list[int]]:
     """A no-op worker's memory before, after each of two floods to a workflow that ends once flooded, and after a
     third to one left open; and the largest signal batch of each run."""
     pid = await _noop_worker(stack, client, "bench-flood-noop")
-    memory, batches = [await _settled_memory(pid, quiet)], []
+    memory, batches = [await _settled_memory(pid, quiet_seconds)], []
     for flood_number in range(3):
         after, batch = await _flood_sink(client, pid, "bench-flood-noop", stack.tenant, malformed, valid,
-                                         end=flood_number < 2, quiet=quiet)
+                                         end=flood_number < 2, quiet_seconds=quiet_seconds)
         memory.append(after)
         batches.append(batch)
     return memory, batches
 
 
 async def _sdk_alone_capped(stack: Stack, malformed: int, valid: int, cap: int,
-                            quiet: float) -> tuple[float, float, int]:
+                            quiet_seconds: float) -> tuple[float, float, int]:
     """The same flood, once, to a workflow on a server whose per-run cap on signals is `cap`: a no-op worker's
     memory before and after, and the largest signal batch."""
     temporal = LocalTemporal(stack.folder / "temporal-capped", ui_port=free_port(),
@@ -172,9 +172,9 @@ async def _sdk_alone_capped(stack: Stack, malformed: int, valid: int, cap: int,
     try:
         client = await Client.connect(temporal.address, data_converter=pydantic_data_converter)
         pid = await _noop_worker(stack, client, "bench-flood-capped")
-        before = await _settled_memory(pid, quiet)
+        before = await _settled_memory(pid, quiet_seconds)
         after, batch = await _flood_sink(client, pid, "bench-flood-capped", stack.tenant, malformed, valid, end=True,
-                                         quiet=quiet)
+                                         quiet_seconds=quiet_seconds)
         await processes.stop(stack.processes.pop())  # before its server
         return before, after, batch
     finally:

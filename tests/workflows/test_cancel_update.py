@@ -77,8 +77,7 @@ async def _waiting_run(h: Harness):
                                            priority=Priority(fairness_key=str(h.tenant_id)))
     # Ready once the run has read its row: a flood sent sooner meets the run's first workflow task, which loads the
     # workflow's module (a second or so) while the signals pile up.
-    await eventually(lambda: _row_read(handle), lambda row: row is not None, timeout=BOUND, interval=0.1,
-                     what="the run's first read of its row")
+    await _until_row_read(handle)
     return job_id, handle
 
 
@@ -162,8 +161,7 @@ async def test_another_tenants_cancel_updates_during_a_build_are_refused_unrecor
             handle = client.get_workflow_handle(export_workflow_id(job_id), result_type=ExportResult)
             # The run's own read of the row too: an Update that comes with the activity's result that brings the row
             # is validated before the run takes that result in, when it cannot yet tell the tenant.
-            await eventually(lambda: _row_read(handle), lambda r: r is not None, timeout=BOUND, interval=0.1,
-                             what="the run's first read of its row")
+            await _until_row_read(handle)
             try:
                 async def building() -> bool:
                     return (await h.store.read_job(job_id)).status is Status.RUNNING
@@ -255,6 +253,11 @@ async def _row_read(handle):
         return await handle.query("row")
     except (RPCError, WorkflowQueryFailedError):
         return None
+
+
+async def _until_row_read(handle) -> None:
+    await eventually(lambda: _row_read(handle), lambda row: row is not None, timeout=BOUND, interval=0.1,
+                     what="the run's first read of its row")
 
 
 async def _described(handle):
