@@ -65,6 +65,8 @@ class Cancellations:
         self.updates_on = False
         self._answers: dict[uuid.UUID, CancellationResult | str] = {}  # request ID -> outcome, or why none
         self._updates_waiting = 0
+        self._refused_unlogged = 0  # refusals since the last line logged
+        self._last_refusal = ""
 
     @property
     def idle(self) -> bool:
@@ -79,9 +81,25 @@ class Cancellations:
         except ValidationError as exc:
             problem = validation_problems(exc, "payload")
             self._display.reject(f"cancel rejected, nothing recorded: {problem}")
-            workflow.logger.warning("cancel signal rejected, nothing recorded: %s", problem)
+            self._log_refusal(problem)
             return
         self._pending.append(request)
+
+    def _log_refusal(self, problem: str) -> None:
+        """Refusals are logged a line per workflow task, once its handlers have run: a flood that piled up reaches
+        the run thousands of signals in one activation, which must end inside the SDK's deadlock bound (2 s), and a
+        line each took a third of it. The details and the `rejected_signals` query keep the last ones."""
+        self._refused_unlogged += 1
+        self._last_refusal = problem
+        if self._refused_unlogged == 1:
+            # Queued behind the handlers of the signals that came with this task, so it counts them all.
+            asyncio.create_task(self._log_refusals())
+
+    async def _log_refusals(self) -> None:
+        workflow.logger.warning("%d cancel signal(s) rejected, nothing recorded; the last: %s (%d refused by this "
+                                "run, the last %d in the rejected_signals query)", self._refused_unlogged,
+                                self._last_refusal, self._display.rejected_count, len(self._display.rejected))
+        self._refused_unlogged = 0
 
     def validate_update(self, payload: Any) -> None:
         """The `cancel` Update's validator: a refusal here reaches the sender and never the run's history."""
