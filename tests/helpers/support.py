@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
 import asyncpg
 import pytest
 
+from starter.localstack.postgres import LocalPostgres
 from starter.localstack.seed import seed_contacts, seed_destination
 from store.jobs import JobStore
 from store.settings import Settings, as_env
@@ -22,6 +26,20 @@ from store.settings import Settings, as_env
 CHAOS_REPORT = pytest.StashKey[str]()
 
 T = TypeVar("T")
+
+
+@contextmanager
+def temporary_postgres() -> Iterator[LocalPostgres]:
+    """The wheel's PostgreSQL in a temporary folder of its own (short: the server's Unix socket lives under it),
+    stopped by its PID afterwards, and the folder removed."""
+    root = Path(tempfile.mkdtemp(prefix="exports-pg-"))
+    server = LocalPostgres(root / "data")
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 async def seed_tenant(
