@@ -52,7 +52,7 @@ async def test_servers_started_one_after_another_and_removed_leave_no_lock_folde
     """The wheel keeps an inter-process lock in a runtime folder (XDG_RUNTIME_DIR), read once per process and made
     again as it takes the lock: a process's own, removed when its last server stops, since the command line ends its
     processes without running exit handlers (exit_now), as this one does. Inside the first server's folder, it came
-    back after that folder was removed (60 MB of /tmp a test session, with that server's data)."""
+    back after that folder was removed, and stayed."""
     root = Path(tempfile.mkdtemp(prefix="exports-t-"))  # short: the servers' sockets live under it
     script = ("import shutil, sys; from pathlib import Path\n"
               "from activities.process.temporal import exit_now\n"
