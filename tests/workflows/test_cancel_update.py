@@ -46,8 +46,6 @@ SIGNAL_CAP = 40
 # busy worker takes in one workflow task; the rest of the cap is the margin for that task's round trip.
 SUGGEST_AFTER = 30
 FLOOD_CAP = 200
-# The server's default (history.maximumSignalsPerExecution): the most signals a run can pile up.
-DEFAULT_SIGNAL_CAP = 10_000
 # The server's quota of Updates per run (history.maxTotalUpdates, 2,000 by default), lowered likewise.
 UPDATE_CAP = 20
 EARLY = patches.CANCEL_UPDATE
@@ -378,10 +376,12 @@ async def test_a_flood_that_piled_up_while_the_worker_was_paused_is_taken_in_one
         db, store, client, tmp_path):
     """Signals sent while the only worker is stopped reach the run together, in one workflow task: thousands of
     handlers in one activation must stay inside the SDK's deadlock bound (2 s without yielding), or the task fails
-    on every retry and the run never moves again. The pile is as large as the server's default cap on a run's
-    signals lets it be. The refusals are logged a line per workflow task, not a line each: a line each was a third
-    of such an activation's time (and a flood of log lines). A real worker process; SIGSTOP is a real pause."""
-    flood = DEFAULT_SIGNAL_CAP - 100
+    on every retry and the run never moves again. The refusals are logged a line per workflow task, not a line
+    each: a line each was a third of such an activation's time (and a flood of log lines). A real worker process;
+    SIGSTOP is a real pause. (A pile the size of the server's default cap, 10,000, is measured by `make bench`'s
+    C2 and in docs/operating.md: sending that many to a paused worker took longer than a workflow task's timeout
+    under CI's load, which split the pile.)"""
+    flood = 3000
     async with crash_world(db, store, client, tmp_path, lease_seconds=30, renew_every_seconds=5) as h, \
             processes(h) as started:
         worker = await start_worker(started, h)
@@ -408,7 +408,7 @@ async def test_a_flood_that_piled_up_while_the_worker_was_paused_is_taken_in_one
             assert row.stop_request_id == request_id, row
             log = worker.log_path.read_text(errors="replace")
             assert "TMPRL1101" not in log and "deadlock" not in log.lower(), "a workflow task took too long"
-            refusals = [line for line in log.splitlines() if "cancel signal(s) rejected" in line]
+            refusals = [line for line in log.splitlines() if "rejected, nothing recorded" in line]
             assert 1 <= len(refusals) <= 10, f"{len(refusals)} log lines for {flood} refused signals"
             assert f"({flood} refused by this run" in refusals[-1], refusals[-1]
             # The pile was real: most of the flood reached the run in one workflow task.
