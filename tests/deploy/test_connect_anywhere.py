@@ -12,10 +12,8 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import os
-import shutil
 import socket
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -51,8 +49,8 @@ QUICK = 4.0
 
 
 @pytest.fixture(scope="module")
-async def server() -> AsyncIterator[LocalTemporal]:
-    temporal = LocalTemporal(Path(tempfile.mkdtemp(prefix="exports-connect-")), ui_port=0)
+async def server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalTemporal]:
+    temporal = LocalTemporal(tmp_path_factory.mktemp("temporal"), ui_port=0)
     try:
         await asyncio.wait_for(temporal.start(), 90)
 
@@ -67,7 +65,6 @@ async def server() -> AsyncIterator[LocalTemporal]:
         yield temporal
     finally:
         await temporal.stop()  # by its PID: SIGTERM, then SIGKILL past 10 s
-        shutil.rmtree(temporal.state_dir, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
