@@ -37,6 +37,8 @@ from tests.helpers.partner import assert_partner_holds, outbound_names
 from tests.helpers.support import create_job, eventually, seed_tenant
 
 BOUND = 60.0
+# What sdk-core logs when it stops retrying an activity's completion because the server cannot be reached.
+COMPLETION_DROPPED = "Network error while completing activity"
 
 
 @contextlib.asynccontextmanager
@@ -264,11 +266,17 @@ async def test_a_build_that_finished_while_temporal_was_down_is_not_built_again(
             job_id = await h.create()
             await held_at(h.settings, "build_started", job_id, timeout=BOUND)
             await temporal.stop()
+            stopped_at = time.monotonic()
             (Path(h.settings.work_dir) / f"release-build_started-{job_id}").touch()
-            await asyncio.sleep(1.0)  # the build (200 contacts) finishes; its completion finds no server
+            # The build (200 contacts) finishes, and the SDK tries to report it for about 10 s more (after its last
+            # heartbeat's own retries). A server back before it gives up takes the completion, and this case never
+            # happens: so the server stays away until the worker's log says the completion was dropped.
+            await eventually(lambda: asyncio.sleep(0, worker.log_path.read_text(errors="replace")),
+                             lambda text: COMPLETION_DROPPED in text, timeout=BOUND, interval=0.2,
+                             what="the SDK giving up on reporting the build's completion")
             # What a second build would read, and the first did not.
             await h.db.admin.execute("UPDATE contacts SET first_name = 'Rebuilt' WHERE tenant_id = $1", h.tenant_id)
-            await asyncio.sleep(lease + 2.0)  # past the build's heartbeat timeout
+            await asyncio.sleep(max(0.0, stopped_at + lease + 2.0 - time.monotonic()))  # past the heartbeat timeout
             await temporal.start()
             row = await h.settled(job_id)
             assert worker.process.returncode is None
