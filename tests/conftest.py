@@ -267,10 +267,12 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     from tests.helpers.support import CHAOS_REPORT
 
-    report = config.stash.get(CHAOS_REPORT, None)
-    if report:
-        terminalreporter.write_sep("=", "chaos report")
-        terminalreporter.write_line(report)
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for name, value in getattr(report, "user_properties", ()):
+                if name == CHAOS_REPORT and getattr(report, "when", "") == "call":
+                    terminalreporter.write_sep("=", "chaos report")
+                    terminalreporter.write_line(value)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1294,7 +1294,7 @@ async def test_chaos__kills_cancels_and_recovery_keep_every_invariant(db, store,
             durations = {"seed": seed, "chaos": chaos_took, "settle": settle_took,
                          "check": time.monotonic() - check_started, "total": time.monotonic() - t0}
             report = summary(c, rows, requests, durations, violations, acc)
-            request.config.stash[CHAOS_REPORT] = report.strip("\n")
+            request.node.user_properties.append((CHAOS_REPORT, report.strip("\n")))
             print(report)
             temporal_records = [r for r in requests if is_temporal_cancel(r)]
             print(f"  Temporal-cancel records: {Counter(r['outcome'] for r in temporal_records)}")

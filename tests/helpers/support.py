@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import TypeVar
 
 import asyncpg
-import pytest
 
 from starter.localstack.postgres import LocalPostgres
 from starter.localstack.seed import seed_contacts, seed_destination
 from store.jobs import JobStore
 from store.settings import Settings, as_env
 
-# The chaos run's report, which conftest prints at the end of the session whether the run passed or failed.
-CHAOS_REPORT = pytest.StashKey[str]()
+# The name of the chaos run's report among its test's user properties, which conftest prints at the end of the
+# session whether the run passed or failed: the properties reach the session's own process from any xdist worker.
+CHAOS_REPORT = "chaos_report"
 
 T = TypeVar("T")
 
