@@ -25,6 +25,9 @@ from temporalio.common import SearchAttributeKey
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
 
+from activities.process.allocator import apply_mmap_threshold
+from store.settings import Settings
+
 # Registered on the local Temporal server for the exports; any keyword attribute would do.
 _SHOWN = SearchAttributeKey.for_keyword("ExportStatus")
 _TIMEOUT = timedelta(seconds=30)
@@ -94,6 +97,8 @@ class SignalSinkWorkflow:
 
 
 async def main(address: str, task_queue: str) -> None:
+    # The export's worker fixes glibc's mmap threshold at start (C2): the baselines run with the same allocator.
+    apply_mmap_threshold(Settings.model_fields["malloc_mmap_threshold_bytes"].default)
     client = await Client.connect(address, data_converter=pydantic_data_converter)
     workflows = [NoopWorkflow, ShapedNoopWorkflow, SignalSinkWorkflow]
     await asyncio.gather(Worker(client, task_queue=task_queue, workflows=workflows, activities=[noop]).run(),

@@ -1,0 +1,40 @@
+"""The C allocator's settings for the worker process, applied before the Temporal SDK allocates anything.
+
+glibc's malloc serves a request of at least M_MMAP_THRESHOLD bytes (128 KiB at first) with a mapping of its own,
+returned to the system when freed. But each time such a block is freed it raises that threshold to the block's
+size, up to 32 MiB: after one burst of large messages (one workflow task that brings a run 10,000 signals, decoded
+whole by the SDK's core), later large blocks come from the heap, where a few live allocations among them keep the
+pages resident. That was most of C2's +90 MB. Setting the threshold stops the raising, so each block of at least
+the threshold is given back when freed; the default, 1 MiB, costs an upload nothing measurable, where lower ones
+cost it an mmap per buffer (store/settings.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+log = logging.getLogger("exports.worker")
+
+# mallopt's parameter numbers (glibc's malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def apply_mmap_threshold(threshold_bytes: int) -> str:
+    """Fix glibc's mmap threshold (and its trim threshold) at `threshold_bytes`; 0 leaves glibc's own dynamic
+    threshold. What was done, in words, for the worker's start-up log."""
+    if threshold_bytes == 0:
+        return "the C allocator's own mmap threshold (malloc_mmap_threshold_bytes = 0)"
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+        libc.gnu_get_libc_version  # noqa: B018  # only glibc has it; mallopt's numbers are glibc's
+    except (OSError, AttributeError):
+        return "not glibc: malloc_mmap_threshold_bytes has no effect here"
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    if not (mallopt(_M_MMAP_THRESHOLD, threshold_bytes) and mallopt(_M_TRIM_THRESHOLD, threshold_bytes)):
+        return f"glibc refused malloc_mmap_threshold_bytes = {threshold_bytes}: its own threshold stays"
+    return f"glibc's mmap and trim thresholds fixed at {threshold_bytes} bytes"
