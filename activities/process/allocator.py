@@ -12,10 +12,6 @@ cost it an mmap per buffer (store/settings.py).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import logging
-
-log = logging.getLogger("exports.worker")
 
 # mallopt's parameter numbers (glibc's malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -28,7 +24,7 @@ def apply_mmap_threshold(threshold_bytes: int) -> str:
     if threshold_bytes == 0:
         return "the C allocator's own mmap threshold (malloc_mmap_threshold_bytes = 0)"
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the process's own symbols, libc's among them: no library search at start
         mallopt = libc.mallopt
         libc.gnu_get_libc_version  # noqa: B018  # only glibc has it; mallopt's numbers are glibc's
     except (OSError, AttributeError):
