@@ -56,7 +56,7 @@ async def deliver(
     record_evidence: Callable[[dict[str, Any]], Awaitable[None]],
     on_progress: Callable[[int, int], None] | None = None,
     throttle_bytes_per_second: int = 0,
-    chunk_size: int = 64 * 1024,
+    chunk_size: int | None = None,
     operation_timeout: float = 60.0,
     after_failure_timeout: float = AFTER_FAILURE_TIMEOUT_SECONDS,
     expected_sha256: str | None = None,
@@ -74,6 +74,7 @@ async def deliver(
     unless the attempt may still rename (the activity's conditional write on the export's row), and the failure is
     then one before the rename was sent. Without it, that record is appended like any other (callers with no row).
 
+    `chunk_size` is the size of one SFTP write; by default the partner's own limit (see `write_size`).
     Each SFTP request is bounded by `operation_timeout`; the fresh listing and the cleanup after a failure by
     `after_failure_timeout` each. Raises ValueError only for names that are not plain file names.
     """
@@ -309,8 +310,29 @@ async def _record_quietly(
                        record.get("step"))
 
 
-# How many writes of one upload are in flight at once: 16 of 64 KiB keep a loopback or LAN link full.
-PIPELINED_WRITES = 16
+# How much of one upload is in flight at once: 1 MiB keeps a loopback or LAN link full, within OpenSSH's 2 MiB
+# channel window.
+IN_FLIGHT_BYTES = 1024 * 1024
+# The size of one SFTP write when the caller does not choose it: as large as the partner announces it accepts
+# (limits@openssh.com; OpenSSH's sftp-server 255 KiB), between these bounds. This client's cost is per SSH packet,
+# not per byte, and a write leaves as packets of the partner's size (32 KiB at OpenSSH), so a 64 KiB write costs
+# two full packets and a 29-byte one: 255 KiB writes deliver about 30% more per CPU second (docs/design.md).
+# Without the announcement, 64 KiB, which every server met so far accepts.
+MIN_WRITE_BYTES = 64 * 1024
+MAX_WRITE_BYTES = 256 * 1024
+# A throttled upload (a demo's or a test's slow link) keeps small writes, so that its rate stays smooth.
+THROTTLED_WRITE_BYTES = 64 * 1024
+
+
+def write_size(sftp: asyncssh.SFTPClient, *, throttled: bool) -> int:
+    if throttled:
+        return THROTTLED_WRITE_BYTES
+    return min(MAX_WRITE_BYTES, max(MIN_WRITE_BYTES, sftp.limits.max_write_len))
+
+
+def piece_size(chunk_size: int) -> int:
+    """Bytes handed to one pipelined write: whole chunks, about IN_FLIGHT_BYTES."""
+    return chunk_size * max(1, IN_FLIGHT_BYTES // chunk_size)
 
 
 @spanned("sftp upload", **{"rpc.system": "sftp"})
@@ -320,7 +342,7 @@ async def _upload(
     temp_path: str,
     total: int,
     *,
-    chunk_size: int,
+    chunk_size: int | None,
     throttle_bytes_per_second: int,
     on_progress: Callable[[int, int], None] | None,
     operation_timeout: float,
@@ -328,15 +350,17 @@ async def _upload(
     loop = asyncio.get_running_loop()
     started = loop.time()
     sent = 0
+    if chunk_size is None:
+        chunk_size = write_size(sftp, throttled=throttle_bytes_per_second > 0)
     # Each piece goes out as parallel SFTP writes of `chunk_size` (asyncssh pipelines a large write), so the link
     # and the cipher stay busy instead of waiting out a round trip per chunk. A throttled upload sends pieces of
     # about a quarter second, so that its rate stays smooth.
-    piece = chunk_size * PIPELINED_WRITES
+    piece = piece_size(chunk_size)
     if throttle_bytes_per_second > 0:
         piece = max(chunk_size, min(piece, throttle_bytes_per_second // 4 // chunk_size * chunk_size))
     async with within(operation_timeout):
         # "wb" truncates: a temporary file left by an earlier attempt under the same name is simply replaced.
-        remote = await sftp.open(temp_path, "wb", block_size=chunk_size, max_requests=PIPELINED_WRITES)
+        remote = await sftp.open(temp_path, "wb", block_size=chunk_size, max_requests=piece // chunk_size)
     # On failure the handle is not closed here: closing the connection releases it.
     # Local reads are blocking but short (a page-cache read of one piece); a thread would cost more.
     with open(local_path, "rb") as local:

@@ -21,6 +21,7 @@ import asyncpg
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
+from activities.partner_delivery import MAX_WRITE_BYTES
 from bench.stack import Stack, full_stack
 from bench.table import Row
 from starter.client import ExportsClient
@@ -29,7 +30,8 @@ from starter.localstack.seed import seed_contacts, seed_destination
 from store.db import make_engine
 from store.jobs import JobStore
 
-_CHUNK = 64 * 1024  # the upload's SFTP write size (activities/partner_delivery.py)
+# The upload's SFTP write size at this partner: asyncssh's server announces more than the client takes.
+_CHUNK = MAX_WRITE_BYTES
 _LINK_BYTES_PER_SECOND = 50_000
 _CONTACT_BYTES = 90  # about, per contact in the built CSV
 

@@ -9,11 +9,13 @@ import asyncssh
 import pytest
 
 from activities.partner_connection import HostKeyMismatch, connect
+from activities.partner_delivery import deliver
 from activities.sftp_check_file import check_file_sha256
 from starter.localstack.seed import seed_destination
 from store.models import FailureCode, Status
 from tests.helpers.harness import Harness
 from tests.helpers.openssh_partner import OpenSshPartner
+from tests.helpers.partner import Evidence, bounded, make_file
 from tests.helpers.store_states import drive
 from tests.helpers.support import delivery_evidence
 
@@ -59,6 +61,20 @@ async def test_openssh__no_overwrite_rename_refuses_an_existing_name(openssh: Op
         with pytest.raises(asyncssh.SFTPFailure):
             await sftp.rename(f"{dest.temp_dir}/a.part", f"{dest.final_dir}/a.csv")
     assert (openssh.root / "outbound" / "a.csv").read_bytes() == b"old"
+
+
+async def test_openssh__a_delivery_writes_as_much_as_sftp_server_announces(openssh: OpenSshPartner, tmp_path):
+    """sftp-server announces 255 KiB writes (limits@openssh.com): four of them are in flight at once."""
+    async with connect(openssh.destination()) as sftp:
+        announced = sftp.limits.max_write_len
+    assert announced == 255 * 1024
+    path = tmp_path / "large.csv"
+    data = make_file(path, 10 * announced + 7)
+    progress: list[int] = []
+    result = await bounded(deliver(openssh.destination(), str(path), "large.csv", "large.part",
+                                   record_evidence=Evidence(), on_progress=lambda sent, _: progress.append(sent)))
+    assert result.outcome == "Completed" and (openssh.root / "outbound" / "large.csv").read_bytes() == data
+    assert progress == [4 * announced, 8 * announced, len(data)]
 
 
 @pytest.mark.spec("RD1")

@@ -14,7 +14,7 @@ import pytest
 from activities.destination import PartnerContract
 from activities.outcomes import DeliveryResult, RemoteFile
 from activities.partner_connection import HostKeyMismatch, connect, load_client_key
-from activities.partner_delivery import PIPELINED_WRITES, deliver
+from activities.partner_delivery import MAX_WRITE_BYTES, THROTTLED_WRITE_BYTES, deliver, piece_size
 from activities.sftp_check_file import check_file_sha256
 from starter.localstack.partner import LocalPartner
 from tests.helpers.partner import Evidence, bounded, make_file, write_as_other_party
@@ -53,10 +53,10 @@ async def test_delivery_completes_byte_for_byte(partner: LocalPartner, local: tu
                                         mtime=result.receipt.mtime)
     assert (partner.final_dir / "contacts-k.csv").read_bytes() == data
     assert listdir(partner.temp_dir) == []
-    # Progress after each piece (PIPELINED_WRITES chunks in flight at once), rising to the whole file.
+    # Progress after each piece (the chunks in flight at once), rising to the whole file.
     sizes = [0] + [sent for sent, _ in progress]
-    assert progress[-1] == (len(data), len(data)) and len(progress) == -(-len(data) // (CHUNK * PIPELINED_WRITES))
-    assert all(0 < b - a <= CHUNK * PIPELINED_WRITES for a, b in itertools.pairwise(sizes))
+    assert progress[-1] == (len(data), len(data)) and len(progress) == -(-len(data) // piece_size(CHUNK))
+    assert all(0 < b - a <= piece_size(CHUNK) for a, b in itertools.pairwise(sizes))
     assert evidence.steps == ["baseline", "rename", "receipt"]
     assert evidence.first("baseline")["final"] == {"path": "/outbound/contacts-k.csv", "exists": False,
                                                    "size": None, "mtime": None}
@@ -67,8 +67,8 @@ async def test_a_large_file_goes_out_in_pipelined_pieces_and_a_throttled_one_in_
     partner: LocalPartner, tmp_path: Path
 ) -> None:
     path = tmp_path / "large.csv"
-    data = make_file(path, 3 * PIPELINED_WRITES * CHUNK + 5)
-    for throttle, piece in ((0, PIPELINED_WRITES * CHUNK), (8 * CHUNK * 4, 8 * CHUNK)):
+    data = make_file(path, 3 * piece_size(CHUNK) + 5)
+    for throttle, piece in ((0, piece_size(CHUNK)), (32 * CHUNK * 4, 32 * CHUNK)):
         progress: list[int] = []
         (partner.final_dir / "contacts-k.csv").unlink(missing_ok=True)
         result = await bounded(deliver(partner.destination(), str(path), "contacts-k.csv", "k.part",
@@ -76,6 +76,25 @@ async def test_a_large_file_goes_out_in_pipelined_pieces_and_a_throttled_one_in_
                                        chunk_size=CHUNK, throttle_bytes_per_second=throttle))
         assert result.outcome == "Completed" and (partner.final_dir / "contacts-k.csv").read_bytes() == data
         assert progress == [*range(piece, len(data), piece), len(data)], (throttle, progress)
+
+
+async def test_by_default_a_delivery_writes_as_much_as_the_partner_accepts(partner: LocalPartner,
+                                                                           tmp_path: Path) -> None:
+    """asyncssh's server announces 4 MiB writes; the client takes up to MAX_WRITE_BYTES, or 64 KiB when throttled."""
+    path = tmp_path / "large.csv"
+    data = make_file(path, 3 * MAX_WRITE_BYTES + 5)
+    for throttle, write in ((0, MAX_WRITE_BYTES), (64 * THROTTLED_WRITE_BYTES, THROTTLED_WRITE_BYTES)):
+        offsets: list[int] = []
+
+        async def on_write(_: str, offset: int) -> None:
+            offsets.append(offset)
+
+        partner.hooks.on_write = on_write
+        (partner.final_dir / "contacts-k.csv").unlink(missing_ok=True)
+        result = await bounded(deliver(partner.destination(), str(path), "contacts-k.csv", "k.part",
+                                       record_evidence=Evidence(), throttle_bytes_per_second=throttle))
+        assert result.outcome == "Completed" and (partner.final_dir / "contacts-k.csv").read_bytes() == data
+        assert sorted(offsets) == list(range(0, len(data), write)), throttle
 
 
 async def test_occupied_final_name_uploads_nothing(partner: LocalPartner, local: tuple[Path, bytes]) -> None:
