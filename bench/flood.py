@@ -35,6 +35,7 @@ from starter.localstack.ports import free_port
 from starter.localstack.temporal import LocalTemporal
 from store.db import make_engine
 from store.jobs import JobStore
+from store.settings import Settings
 from workflows.identity import export_workflow_id
 
 _SENDERS = 50
@@ -181,8 +182,11 @@ async def _sdk_alone_capped(stack: Stack, malformed: int, valid: int, cap: int,
         await temporal.stop()
 
 
-async def measure(*, malformed: int, valid: int, quiet_seconds: float = 3.0) -> Row:
-    """`quiet_seconds`: how long the worker's memory must hold still to count as settled."""
+async def measure(*, malformed: int, valid: int, quiet_seconds: float | None = None) -> Row:
+    """`quiet_seconds`: how long the worker's memory must hold still to count as settled; by default a little
+    longer than the workers' interval between handing free pages back, so that each reading comes after one."""
+    if quiet_seconds is None:
+        quiet_seconds = Settings.model_fields["malloc_trim_interval_seconds"].default + 2.0
     async with full_stack("flood", contacts=2000) as stack:
         # The cancel Update, which this release ships for the next to activate, is activated early here: the row
         # says whether an operator can still cancel once the flood has filled the run's signal quota.

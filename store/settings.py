@@ -57,6 +57,10 @@ class Settings(BaseSettings):
     # the worker's memory (C2). 0: glibc's own threshold, which rises up to 32 MiB after large frees. Lower costs
     # uploads: at 128 KiB a delivery ran about 15% slower, at 32 KiB four times slower (an mmap per buffer).
     malloc_mmap_threshold_bytes: int = Field(1024 * 1024, ge=0, le=32 * 1024 * 1024)
+    # How often the worker hands the heap's free pages back to the system (glibc's malloc_trim, from a thread of its
+    # own; activities/process/allocator.py): what a burst freed among live blocks does not stay resident (C2). A
+    # call costs milliseconds; 0: never.
+    malloc_trim_interval_seconds: float = Field(10.0, ge=0, le=3600)
     # How many attempts to one destination a worker holds at once, from the claim to the end of the upload (LD4):
     # one slow partner takes no more than its share, and the others' exports go on. Unset:
     # `default_destination_share`.
