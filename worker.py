@@ -32,7 +32,7 @@ from activities.checkpoints import checkpoints_for
 from activities.exports import ExportActivities
 from activities.interceptors import ClassifyStoreErrors
 from activities.process import endpoint, metrics, tracing
-from activities.process.allocator import apply_mmap_threshold, give_back_free_pages
+from activities.process.allocator import configure_allocator
 from activities.process.dispatcher import OutboxDispatcher
 from activities.process.logs import configure_logging, settings_or_exit
 from activities.process.scavenger import keep_scavenging, scavenge
@@ -312,8 +312,9 @@ if __name__ == "__main__":
     # A malformed setting is one line and exit status 2.
     configure_worker_logging(settings_or_exit(get_settings))
     # Before the SDK's runtime allocates anything.
-    log.info("memory: %s", apply_mmap_threshold(get_settings().malloc_mmap_threshold_bytes))
-    log.info("memory: %s", give_back_free_pages(get_settings().malloc_trim_interval_seconds))
+    settings = get_settings()
+    for done in configure_allocator(settings.malloc_mmap_threshold_bytes, settings.malloc_trim_interval_seconds):
+        log.info("memory: %s", done)
     try:
         asyncio.run(main())
     except preflight.PreflightFailed:  # its lines are logged: Kubernetes restarts the pod, the log says why

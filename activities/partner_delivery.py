@@ -324,9 +324,7 @@ MAX_WRITE_BYTES = 256 * 1024
 THROTTLED_WRITE_BYTES = 64 * 1024
 
 
-def write_size(sftp: asyncssh.SFTPClient, *, throttled: bool) -> int:
-    if throttled:
-        return THROTTLED_WRITE_BYTES
+def write_size(sftp: asyncssh.SFTPClient) -> int:
     return min(MAX_WRITE_BYTES, max(MIN_WRITE_BYTES, sftp.limits.max_write_len))
 
 
@@ -351,7 +349,7 @@ async def _upload(
     started = loop.time()
     sent = 0
     if chunk_size is None:
-        chunk_size = write_size(sftp, throttled=throttle_bytes_per_second > 0)
+        chunk_size = THROTTLED_WRITE_BYTES if throttle_bytes_per_second > 0 else write_size(sftp)
     # Each piece goes out as parallel SFTP writes of `chunk_size` (asyncssh pipelines a large write), so the link
     # and the cipher stay busy instead of waiting out a round trip per chunk. A throttled upload sends pieces of
     # about a quarter second, so that its rate stays smooth.

@@ -186,7 +186,7 @@ async def measure(*, malformed: int, valid: int, quiet_seconds: float | None = N
     """`quiet_seconds`: how long the worker's memory must hold still to count as settled; by default a little
     longer than the workers' interval between handing free pages back, so that each reading comes after one."""
     if quiet_seconds is None:
-        quiet_seconds = Settings.model_fields["malloc_trim_interval_seconds"].default + 2.0
+        quiet_seconds = Settings.model_construct().malloc_trim_interval_seconds + 2.0
     async with full_stack("flood", contacts=2000) as stack:
         # The cancel Update, which this release ships for the next to activate, is activated early here: the row
         # says whether an operator can still cancel once the flood has filled the run's signal quota.

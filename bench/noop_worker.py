@@ -25,7 +25,7 @@ from temporalio.common import SearchAttributeKey
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
 
-from activities.process.allocator import apply_mmap_threshold, give_back_free_pages
+from activities.process.allocator import configure_allocator
 from store.settings import Settings
 
 # Registered on the local Temporal server for the exports; any keyword attribute would do.
@@ -99,8 +99,8 @@ class SignalSinkWorkflow:
 async def main(address: str, task_queue: str) -> None:
     # The export's worker fixes glibc's mmap threshold at start and gives free pages back (C2): the baselines run
     # with the same allocator.
-    apply_mmap_threshold(Settings.model_fields["malloc_mmap_threshold_bytes"].default)
-    give_back_free_pages(Settings.model_fields["malloc_trim_interval_seconds"].default)
+    defaults = Settings.model_construct()
+    configure_allocator(defaults.malloc_mmap_threshold_bytes, defaults.malloc_trim_interval_seconds)
     client = await Client.connect(address, data_converter=pydantic_data_converter)
     workflows = [NoopWorkflow, ShapedNoopWorkflow, SignalSinkWorkflow]
     await asyncio.gather(Worker(client, task_queue=task_queue, workflows=workflows, activities=[noop]).run(),

@@ -33,14 +33,19 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
-def apply_mmap_threshold(threshold_bytes: int) -> str:
-    """Fix glibc's mmap threshold (and its trim threshold) at `threshold_bytes`; 0 leaves glibc's own dynamic
-    threshold. What was done, in words, for the worker's start-up log."""
-    if threshold_bytes == 0:
-        return "the C allocator's own mmap threshold (malloc_mmap_threshold_bytes = 0)"
+def configure_allocator(mmap_threshold_bytes: int, trim_interval_seconds: float) -> list[str]:
+    """Fix glibc's mmap threshold (and its trim threshold) at `mmap_threshold_bytes` (0: glibc's own dynamic
+    threshold), and hand the heap's free pages back every `trim_interval_seconds` (0: never). What was done, a
+    line each, for the worker's start-up log."""
     libc = _glibc()
     if libc is None:
-        return "not glibc: malloc_mmap_threshold_bytes has no effect here"
+        return ["not glibc: malloc_mmap_threshold_bytes and malloc_trim_interval_seconds have no effect here"]
+    return [_fix_mmap_threshold(libc, mmap_threshold_bytes), _give_back_free_pages(libc, trim_interval_seconds)]
+
+
+def _fix_mmap_threshold(libc: ctypes.CDLL, threshold_bytes: int) -> str:
+    if threshold_bytes == 0:
+        return "the C allocator's own mmap threshold (malloc_mmap_threshold_bytes = 0)"
     mallopt = libc.mallopt
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
@@ -49,14 +54,10 @@ def apply_mmap_threshold(threshold_bytes: int) -> str:
     return f"glibc's mmap and trim thresholds fixed at {threshold_bytes} bytes"
 
 
-def give_back_free_pages(interval_seconds: float) -> str:
-    """Start a daemon thread that hands the heap's free pages back to the system every `interval_seconds`
-    (glibc's malloc_trim; 0: never). What was done, in words, for the worker's start-up log."""
+def _give_back_free_pages(libc: ctypes.CDLL, interval_seconds: float) -> str:
+    """A daemon thread calls malloc_trim every `interval_seconds`."""
     if interval_seconds == 0:
         return "free heap pages are not given back (malloc_trim_interval_seconds = 0)"
-    libc = _glibc()
-    if libc is None:
-        return "not glibc: malloc_trim_interval_seconds has no effect here"
     trim = libc.malloc_trim
     trim.argtypes = (ctypes.c_size_t,)
     trim.restype = ctypes.c_int

@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # MB stay resident once the large blocks are freed.
 _BURST = """
 import ctypes, sys
-from activities.process.allocator import apply_mmap_threshold
-apply_mmap_threshold(int(sys.argv[1]))
+from activities.process.allocator import configure_allocator
+configure_allocator(int(sys.argv[1]), 0)
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = (ctypes.c_void_p,)
@@ -62,9 +62,8 @@ async def test_glibcs_own_threshold_keeps_a_freed_burst_and_a_fixed_one_gives_it
 # only malloc_trim gives back. Prints how many MB stay resident 1.5 s after the frees.
 _SCATTERED = """
 import gc, sys, time
-from activities.process.allocator import apply_mmap_threshold, give_back_free_pages
-apply_mmap_threshold(1 << 20)
-give_back_free_pages(float(sys.argv[1]))
+from activities.process.allocator import configure_allocator
+configure_allocator(1 << 20, float(sys.argv[1]))
 def rss():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) / 1024
 gc.disable()
