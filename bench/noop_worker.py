@@ -6,7 +6,7 @@
   queue), and the same number of workflow tasks that update a search attribute. What no work at all costs in
   that shape: the most any export of that shape could reach on the same server;
 - `SignalSinkWorkflow()`: takes `cancel` signals and does nothing with them until `finish`: C2's baseline, what a
-  flood of signals costs a worker's memory in the SDK alone.
+  flood of signals costs a worker's memory in the SDK alone (its `taken` query: the signals it took).
 
     python -m bench.noop_worker <temporal address> <task queue>
 """
@@ -89,6 +89,10 @@ class SignalSinkWorkflow:
     @workflow.signal
     def finish(self) -> None:
         self._finished = True
+
+    @workflow.query
+    def taken(self) -> int:
+        return self._taken
 
     @workflow.run
     async def run(self) -> int:
