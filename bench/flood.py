@@ -6,14 +6,14 @@ a fresh request ID, are sent as fast as the server takes them. The worker's resi
 /proc before and after, once the run has caught up. Signals the server refused (its per-run cap on signal events)
 are counted: each one refused after the malformed ones is a cancel the operator could not send that way.
 
-The baseline is the same flood to a workflow that takes the signals and does nothing with them, on a no-op worker
-of its own (bench/noop_worker.py): what the SDK alone keeps of such a flood while the run stays open and in the
-worker's cache, as the export's does. Each flood meets an idle run, as the export's does, and so reaches it in one
-workflow task (see `_idle`). Two more floods, to workflows ended once flooded (and so out of the worker's cache),
-say what a flood leaves behind once its run is gone. The notes say how many signals the largest workflow task
-brought each run, so the rows compare like with like. Last, the same flood once more to such a workflow on a
-Temporal server of its own whose per-run cap on signals is the one docs/operating.md suggests: what that setting
-bounds.
+The baseline is the same flood to a workflow that takes the signals and does nothing with them, on a no-op worker of
+its own (bench/noop_worker.py): what the SDK alone keeps of such a flood while the run stays open and in the
+worker's cache, as the export's does. Each flood waits until its run is idle, and so reaches it in one workflow
+task, as the export's flood does (see `_idle`). Two more floods, to workflows ended once flooded (and so out of the
+worker's cache), say what a flood leaves behind once its run is gone. The notes say how many signals the largest
+workflow task brought each run, so the rows compare like with like. Last, the same flood once more to such a
+workflow on a Temporal server of its own whose per-run cap on signals is the one docs/operating.md suggests: what
+that setting bounds.
 """
 
 from __future__ import annotations
@@ -103,12 +103,8 @@ def _flood(tenant: uuid.UUID, malformed: int, valid: int) -> tuple[list[object],
 
 
 async def _idle(handle, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
-    """Once the run's first workflow task is done, and a second more: a flood then meets an idle run, as it meets
-    the export's. The server hands a run the next workflow task with the completion of the last one, but a task
-    that comes of a signal to an idle run is queued by the server's background work, which the flood's own writes
-    hold back (seen on the dev server: the sticky task timed out unstarted, and the next one started only once the
-    flood was over). So an idle run takes the whole flood in one task, and a run flooded right after its start takes
-    it in small ones."""
+    """Once the run's first workflow task is done, and a second more, so that the flood meets an idle run, as it
+    meets the export's, and reaches it in one workflow task (why: docs/operating.md, "A flood of signals")."""
     deadline = time.monotonic() + timeout
     while not any(event.WhichOneof("attributes") == "workflow_task_completed_event_attributes"
                   for event in (await handle.fetch_history()).events):
