@@ -43,6 +43,7 @@ from activities.process.temporal import (
     connect_temporal,
     exit_now,
 )
+from activities.process.workflow_code import compile_workflow_modules_once
 from activities.recovery import RecoveryActivities
 from starter import preflight
 from store import errors
@@ -92,6 +93,8 @@ async def running_worker(
     """The worker's pollers (and dispatcher) run while the context is open; closing it shuts them down. `health`,
     when given, is kept up to date for the probes."""
     health = health if health is not None else endpoint.Health()
+    # Each run the worker starts imports these in a sandbox of its own (activities/process/workflow_code.py).
+    compile_workflow_modules_once({cls.__module__.partition(".")[0] for cls in WORKFLOWS})
     engine = make_engine(settings.database_url, pool_size=settings.database_pool_size,
                          max_overflow=settings.database_max_overflow, bounds=Bounds.of(settings))
     store = JobStore(

@@ -22,7 +22,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
-from bench.noop_worker import Shape
+from bench.noop_shape import Shape
 from bench.stack import full_stack
 from bench.table import Row, middle
 from starter.client import ExportsClient
@@ -131,19 +131,25 @@ async def measure(*, exports: int, rounds: int) -> Row:
         client_of_exports = ExportsClient(JobStore(engine, lease_seconds=settings.lease_seconds), client,
                                           task_queue=settings.task_queue)
         ours, theirs, shaped, loaded, extra = [], [], [], [], []
+        worker_ms, noop_ms = [], []  # each worker process's CPU per run
         assert stack.temporal.process is not None  # started by full_stack
         server = stack.temporal.process.pid
+        worker, noop_worker = (process.pid for process in stack.processes)
         try:
             for _ in range(rounds):
+                used = _process_cpu_seconds(worker)
                 async with _cpu_beside(server) as beside_ours:
                     rate, sample = await exports_per_second(client_of_exports, stack.admin, stack.tenant,
                                                             stack.destination, exports)
+                worker_ms.append((_process_cpu_seconds(worker) - used) / exports * 1000)
                 ours.append(rate)
                 shape = await shape_of(client, export_workflow_id(sample))
                 per_export = shape.on_workflow_queue + shape.on_own_queue
                 theirs.append(await _baseline(client, "bench-noop", exports, "NoopWorkflow", per_export))
+                used = _process_cpu_seconds(noop_worker)
                 async with _cpu_beside(server) as beside_shaped:
                     shaped.append(await _baseline(client, "bench-noop", exports, "ShapedNoopWorkflow", shape))
+                noop_ms.append((_process_cpu_seconds(noop_worker) - used) / exports * 1000)
                 # The ceiling again, with the machine as busy beside the server as the export's own work made it.
                 extra.append(max(0.0, beside_ours[0] - beside_shaped[0]))
                 async with _busy_loops(extra[-1]):
@@ -162,6 +168,8 @@ async def measure(*, exports: int, rounds: int) -> Row:
         f"{ceiling / middle(theirs):.2f} of that, the project {middle(ours) / middle(theirs):.2f}")
     # What sharing the machine costs the ceiling: the server competes for the same cores with the export's work
     # (database, SFTP, files, the worker), which no no-op does.
+    row.notes.append(f"CPU per run: the export's worker {middle(worker_ms):.0f} ms, the no-op worker "
+                     f"{middle(noop_ms):.0f} ms")
     row.notes.append(
         f"beside the server, the export's work kept {middle(extra):.2f} of a core busier than the no-ops did "
         f"({os.cpu_count()} cores); the shape's no-ops beside busy loops burning that much reach "

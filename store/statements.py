@@ -106,14 +106,14 @@ class Database:
     # --- reads -------------------------------------------------------------------------------------------------
 
     async def rows(self, query: str | Executable, **params: Any) -> list[dict[str, Any]]:
-        """A named statement's rows, or a query's."""
+        """A named statement's rows, or a query's: one statement on its own (`_alone`), one round trip."""
         with translated():
-            async with self.engine.connect() as conn:
+            async with self._alone() as conn:
                 return [dict(r) for r in (await conn.execute(_executable(query), params)).mappings().all()]
 
     async def row(self, query: str | Executable, **params: Any) -> dict[str, Any] | None:
         with translated():
-            async with self.engine.connect() as conn:
+            async with self._alone() as conn:
                 found = (await conn.execute(_executable(query), params)).mappings().first()
         return dict(found) if found is not None else None
 
@@ -186,8 +186,8 @@ class Database:
     @asynccontextmanager
     async def _alone(self) -> AsyncIterator[AsyncConnection]:
         """A connection whose statements each commit on their own: a single statement is atomic without a
-        transaction block (its deferred checks run at its implicit commit), so BEGIN and COMMIT would only add two
-        round trips."""
+        transaction block (its deferred checks run at its implicit commit), so BEGIN and COMMIT (or, for a read,
+        ROLLBACK) would only add two round trips. A read sees one snapshot either way: its statement's."""
         async with self.engine.connect() as conn:
             yield await conn.execution_options(isolation_level="AUTOCOMMIT")
 

@@ -87,6 +87,11 @@ def configure_logging(settings: Settings, stream: IO[str] | None = None) -> logg
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(JsonFormatter() if json_lines else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=settings.log_level, handlers=[handler], force=True)
+    # asyncssh writes about twenty INFO lines for each connection it opens and closes, two an export: they are
+    # shown at DEBUG only. Its warnings and errors stay, and the worker's own lines say which partner it connects
+    # to and why a session failed.
+    level = logging.getLevelName(settings.log_level)
+    logging.getLogger("asyncssh").setLevel(level if level == logging.DEBUG else max(level, logging.WARNING))
     # In JSON the context has fields of its own: the SDK's copy of it at the end of each message would repeat it.
     activity.logger.activity_info_on_message = not json_lines
     workflow.logger.workflow_info_on_message = not json_lines

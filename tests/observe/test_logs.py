@@ -40,14 +40,15 @@ START_BOUND = 30.0
 @pytest.fixture
 def restored_logging() -> Iterator[None]:
     """configure_logging changes the process's root logger and the SDK's loggers: put them back for pytest."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
+    root, ssh = logging.getLogger(), logging.getLogger("asyncssh")
+    handlers, level, ssh_level = root.handlers[:], root.level, ssh.level
     on_message = activity.logger.activity_info_on_message, workflow.logger.workflow_info_on_message
     try:
         yield
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
+        ssh.setLevel(ssh_level)
         activity.logger.activity_info_on_message, workflow.logger.workflow_info_on_message = on_message
 
 
@@ -188,3 +189,16 @@ async def test_a_real_worker_logs_an_export_in_json_lines(db, store, client, tmp
     assert any(line.get("activity_type") and line.get("run_id") and line["workflow_id"] == f"export-{job_id}"
                for line in ours), text
     assert any(line["message"] == "worker stopped" for line in lines), text
+    # The partner connection is said once, by the worker; none of the SSH library's step-by-step lines at INFO.
+    assert any(line["logger"] == "activities.partner_connection" for line in ours), text
+    assert not [line for line in lines if line["logger"].startswith("asyncssh") and line["level"] == "INFO"], text
+
+
+def test_the_ssh_librarys_connection_steps_are_logged_at_debug_only(restored_logging):
+    for level, shown in (("INFO", False), ("DEBUG", True), ("WARNING", False)):
+        stream = io.StringIO()
+        configure_logging(settings(log_level=level), stream)
+        logging.getLogger("asyncssh").info("[conn=0] Beginning auth for user partner")
+        logging.getLogger("asyncssh.sftp").warning("[conn=0, chan=0] SFTP client exited with an error")
+        assert ("Beginning auth" in stream.getvalue()) is shown, (level, stream.getvalue())
+        assert "SFTP client exited" in stream.getvalue(), (level, stream.getvalue())
