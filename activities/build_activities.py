@@ -14,7 +14,7 @@ import asyncssh
 from temporalio import activity
 
 from activities import checkpoints
-from activities.builder import BuildError, build_contacts_csv, remove_local_file, size_and_sha256
+from activities.builder import BuildError, build_contacts_csv, copy_connections, remove_local_file, size_and_sha256
 from activities.contracts import AttemptInput, BuildOutput
 from activities.destination import DestinationConfig
 from activities.export_base import ExportActivitiesBase, attempt_step
@@ -23,7 +23,7 @@ from activities.partner_connection import HostKeyMismatch
 from activities.partner_files import FinalDirMissing, preflight
 from activities.patience import retry_patiently, run_to_end
 from activities.process import metrics
-from activities.stop_watch import StopWatch
+from activities.stop_watch import StopListener, StopWatch
 from store import errors
 from store.db import Bounds, asyncpg_dsn
 from store.jobs import build_holder
@@ -37,6 +37,19 @@ _CLOCK_MARGIN_SECONDS = 0.1
 
 
 class BuildActivities(ExportActivitiesBase):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        bounds = Bounds.of(self.settings)
+        # One listening connection for every build here, opened at the first (activities/stop_watch.py).
+        self.stop_listener = StopListener(asyncpg_dsn(self.settings.database_url), bounds)
+        # The builds' COPY connections, one per build slot, kept between builds.
+        self.copy_connections = copy_connections(self.settings.database_url, bounds, most=self.settings.max_builds)
+
+    async def close(self) -> None:
+        await super().close()
+        await self.stop_listener.close()
+        await self.copy_connections.close()
+
     @activity.defn
     @attempt_step
     async def build(self, request: AttemptInput) -> BuildOutput:
@@ -125,9 +138,8 @@ class BuildActivities(ExportActivitiesBase):
                         await self.store.finish_failed(job.id, attempt_id, code, why, holder=holder)
                     return BuildOutput(ended=code.value)
                 try:
-                    async with StopWatch(self.store, asyncpg_dsn(self.settings.database_url), job.id, attempt_id,
-                                         metrics.timed_stop(job.id, attempt_id, on_stop),
-                                         Bounds.of(self.settings)):
+                    async with StopWatch(self.stop_listener, self.store, job.id, attempt_id,
+                                         metrics.timed_stop(job.id, attempt_id, on_stop)):
                         if reused and path.exists():
                             size, sha256_hex = await asyncio.to_thread(size_and_sha256, path)
                             log.info("export %s attempt %s: delivering the file an earlier build finished (%d "
@@ -179,10 +191,9 @@ class BuildActivities(ExportActivitiesBase):
         async def build() -> tuple[int, str]:
             progress.update(bytes=0)
             return await build_contacts_csv(
-                asyncpg_dsn(self.settings.database_url), job.tenant_id, path,
+                self.copy_connections, job.tenant_id, path,
                 on_progress=lambda size: progress.update(bytes=size),
                 throttle_bytes_per_second=self.settings.build_throttle_bytes_per_second,
-                bounds=Bounds.of(self.settings),
             )
 
         async def build_through_blips() -> tuple[int, str]:

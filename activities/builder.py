@@ -21,7 +21,7 @@ from uuid import UUID
 import asyncpg
 
 from store import errors
-from store.db import Bounds, connect_raw
+from store.db import Bounds, RawConnections
 
 log = logging.getLogger(__name__)
 
@@ -82,30 +82,35 @@ class _HashingSink:
         self.on_progress(self.size)
 
 
+def copy_connections(url: str, bounds: Bounds | None = None, *, most: int) -> RawConnections:
+    """Connections for builds' COPYs, `most` at once. No statement bound: a COPY may rightly run long; keepalives
+    see a silent server."""
+    return RawConnections("COPY", url, replace(bounds or Bounds.defaults(), statement_seconds=None), most=most)
+
+
 async def build_contacts_csv(
-    dsn: str,
+    connections: RawConnections,
     tenant_id: UUID,
     path: Path,
     *,
     on_progress: Callable[[int], None] = lambda size: None,
     throttle_bytes_per_second: int = 0,
-    bounds: Bounds | None = None,
 ) -> tuple[int, str]:
-    """Write the tenant's contacts to `path`; returns (bytes, sha256 hex). The file is written under
+    """Write the tenant's contacts to `path`, through one of `connections` (`copy_connections`); returns (bytes,
+    sha256 hex). The file is written under
     `partial_path(path)` and renamed to `path` once whole and synced, so a file under `path` is always a finished
-    build (a resumption may deliver it: see the build activity)."""
+    build (a resumption may deliver it: see the build activity). A COPY abandoned midway leaves its connection
+    unusable: `connections` terminates it rather than wait on it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = partial_path(path)
-    conn: asyncpg.Connection | None = None
     finished = False
     try:
-        # No statement bound: a COPY may rightly run long. Keepalives see a silent server.
-        conn = await connect_raw(dsn, replace(bounds or Bounds.defaults(), statement_seconds=None))
-        with open(partial, "wb") as handle:
-            sink = _HashingSink(handle, on_progress, throttle_bytes_per_second)
-            await conn.copy_from_query(CONTACTS_QUERY, tenant_id, output=sink, format="csv", header=True)
-            handle.flush()
-            os.fsync(handle.fileno())
+        async with connections.connection() as conn:
+            with open(partial, "wb") as handle:
+                sink = _HashingSink(handle, on_progress, throttle_bytes_per_second)
+                await conn.copy_from_query(CONTACTS_QUERY, tenant_id, output=sink, format="csv", header=True)
+                handle.flush()
+                os.fsync(handle.fileno())
         os.replace(partial, path)
         finished = True
         return sink.size, sink.sha256.hexdigest()
@@ -114,12 +119,6 @@ async def build_contacts_csv(
     except Exception as exc:
         raise BuildError(f"{type(exc).__name__}: {exc}") from exc
     finally:
-        if conn is not None:
-            # A COPY abandoned midway leaves the connection unusable; terminate rather than wait on it.
-            if finished:
-                await conn.close()
-            else:
-                conn.terminate()
         if not finished:
             remove_local_file(partial)
 

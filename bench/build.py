@@ -26,13 +26,15 @@ from store.db import asyncpg_dsn
 CHILD = """
 import asyncio, json, resource, sys, time, uuid
 from pathlib import Path
-from activities.builder import build_contacts_csv
+from activities.builder import build_contacts_csv, copy_connections
 
 async def main():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
-    size, _ = await build_contacts_csv(sys.argv[1], uuid.UUID(sys.argv[2]), Path(sys.argv[3]))
+    connections = copy_connections(sys.argv[1], most=1)
+    size, _ = await build_contacts_csv(connections, uuid.UUID(sys.argv[2]), Path(sys.argv[3]))
     seconds = time.perf_counter() - started
+    await connections.close()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"bytes": size, "seconds": seconds, "rss_kib": peak - before, "peak_kib": peak}))
 

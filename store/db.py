@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -206,6 +208,65 @@ async def connect_raw(url: str, bounds: Bounds | None = None) -> asyncpg.Connect
         conn.terminate()
         raise
     return conn
+
+
+class RawConnections:
+    """Connections outside the pools for one kind of long statement (a build's COPY), at most `most` at once, kept
+    open `idle_seconds` between uses: a new PostgreSQL session for each use cost about 6 ms of CPU, client and
+    server. A connection its user leaves unusable (a COPY abandoned midway) is terminated, never handed out again.
+    The caller bounds how many it uses at once (the worker's build slots), so a use never waits for another's; the
+    wait is bounded all the same, by a connect to each host of the URL."""
+
+    def __init__(self, kind: str, url: str, bounds: Bounds | None = None, *, most: int,
+                 idle_seconds: float = 30.0) -> None:
+        self.kind = kind
+        self.dsn = asyncpg_dsn(url)
+        self.bounds = Bounds.defaults() if bounds is None else bounds
+        self.most = most
+        self.idle_seconds = idle_seconds
+        self._pool: asyncpg.Pool | None = None
+        self._starting = asyncio.Lock()
+        self._wait_seconds = self.bounds.connect_seconds * max(1, len(urls.parse(self.dsn).hosts)) + 1.0
+
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
+        """A connection for one use; on any failure or cancellation it is terminated, not reused."""
+        pool = await self._started()
+        conn = await pool.acquire(timeout=self._wait_seconds)
+        try:
+            yield conn
+        except BaseException:
+            # A connection that closed under its use (a cut) went back to the pool by itself, as closed.
+            with contextlib.suppress(asyncpg.InterfaceError):
+                conn.terminate()
+            raise
+        finally:
+            try:
+                # Its reset's round trip, bounded: one that does not answer is terminated by asyncpg.
+                await pool.release(conn, timeout=self.bounds.connect_seconds)
+            except Exception as exc:  # noqa: BLE001 - the use succeeded; the connection is gone, not reused
+                log.info("a %s connection not kept for reuse: %s", self.kind, errors.describe(exc))
+
+    async def _started(self) -> asyncpg.Pool:
+        async with self._starting:
+            if self._pool is None:
+                pool = asyncpg.create_pool(min_size=0, max_size=self.most,
+                                           max_inactive_connection_lifetime=self.idle_seconds, connect=self._connect)
+                self._pool = await pool
+            return self._pool
+
+    async def _connect(self, *args: object, **kwargs: object) -> asyncpg.Connection:
+        return await connect_raw(self.dsn, self.bounds)
+
+    async def close(self) -> None:
+        """Close the idle connections, never waiting on a silent network for longer than a connect."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        try:
+            await asyncio.wait_for(pool.close(), self.bounds.connect_seconds)
+        except Exception:  # noqa: BLE001 - a timeout or a connection already broken: end them all now
+            pool.terminate()
 
 
 def _alembic_config(connection: Connection | None = None) -> Config:

@@ -340,8 +340,10 @@ async def test_dispatcher__the_workers_own_dispatcher_runs_under_the_dispatcher_
         job_id = await h.store_create()
         row = await h.settled(job_id)
         assert row.status is Status.COMPLETED
+        # The outbox's channel; the worker's stop listener (exports_stop) is the application role's.
         listeners = await db.admin.fetch(
-            "SELECT usename FROM pg_stat_activity WHERE datname = $1 AND query ILIKE 'LISTEN%'", db.name)
+            "SELECT usename FROM pg_stat_activity WHERE datname = $1 AND query ILIKE 'LISTEN%exports_outbox%'",
+            db.name)
         assert {r["usename"] for r in listeners} == {ROLES["dispatcher"]}, listeners
     markers = await db.admin.fetch("SELECT marked_by FROM test_outbox_markers WHERE job_id = $1", job_id)
     assert [m["marked_by"] for m in markers] == [ROLES["dispatcher"]]

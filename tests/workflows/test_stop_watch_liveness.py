@@ -1,8 +1,8 @@
-"""Case PT4 through the real worker, the Temporal dev server, PostgreSQL and an SFTP partner: the stop watcher's
-LISTEN connection goes through tests/helpers/faults.py's proxy, and only it. The rest of the worker keeps its way
-to PostgreSQL, so within the bound nothing but the watcher can hear the stop: no signal is sent (the row write
-alone, as the LISTEN/NOTIFY path of TW6), cutoff 2 is a long build away, and the lease is kept. A partition of every
-connection is PT1's and PT2's (tests/hardening/test_lease_partitions.py).
+"""Case PT4 through the real worker, the Temporal dev server, PostgreSQL and an SFTP partner: the stop listener's
+LISTEN connection (one per worker, for all its builds) goes through tests/helpers/faults.py's proxy, and only it.
+The rest of the worker keeps its way to PostgreSQL, so within the bound nothing but the watcher can hear the stop:
+no signal is sent (the row write alone, as the LISTEN/NOTIFY path of TW6), cutoff 2 is a long build away, and the
+lease is kept. A partition of every connection is PT1's and PT2's (tests/hardening/test_lease_partitions.py).
 
 Times are on the database's clock: the heal (or the proxy's return) is read from it the moment it happens, and the
 stop from the Stopped event."""
@@ -18,7 +18,7 @@ from datetime import datetime
 import pytest
 
 from activities import build_activities
-from activities.stop_watch import StopWatch
+from activities.stop_watch import StopListener
 from store.db import asyncpg_dsn
 from store.models import CancellationOutcome, Status
 from tests.helpers.events import events, kinds
@@ -40,16 +40,16 @@ BRIEF_SECONDS = 1.0
 
 @pytest.fixture
 async def watched(db, store, client, tmp_path, monkeypatch) -> AsyncIterator[tuple[Harness, PgFaultProxy]]:
-    """A slow build whose stop watcher (and only it) reaches PostgreSQL through the proxy: the watcher takes the
-    worker's database URL, which the build's COPY takes too, so the watcher alone is given the proxy's."""
+    """Slow builds whose stop listener (and only it) reaches PostgreSQL through the proxy: the listener takes the
+    worker's database URL, which the build's COPY takes too, so the listener alone is given the proxy's."""
     async with AsyncExitStack() as stack:
         proxy = await stack.enter_async_context(fault_proxy(db.server))
         through_proxy = asyncpg_dsn(proxy.url("exports_app", db.name))
 
-        def watcher_through_proxy(store_: object, dsn: str, *args: object, **kwargs: object) -> StopWatch:
-            return StopWatch(store_, through_proxy, *args, **kwargs)
+        def listener_through_proxy(dsn: str, *args: object, **kwargs: object) -> StopListener:
+            return StopListener(through_proxy, *args, **kwargs)
 
-        monkeypatch.setattr(build_activities, "StopWatch", watcher_through_proxy)
+        monkeypatch.setattr(build_activities, "StopListener", listener_through_proxy)
         h = await open_harness(stack, db, store, client, tmp_path, contacts=CONTACTS,
                                build_throttle_bytes_per_second=BUILD_BYTES_PER_SECOND)
         # Before the worker shuts down, whatever failed: never leave the watcher cut off.
@@ -98,7 +98,7 @@ async def test_stop_watcher__silent_then_healed_without_its_connection__a_stop_w
     h, proxy = watched
     job_id = await h.create()
     await building(h, job_id)
-    assert proxy.open_connections == 1  # the watcher's, listening
+    assert proxy.open_connections == 1  # the listener's
     proxy.go_silent()
     request_id = await request_stop(h, job_id)
     await asyncio.sleep(silent_seconds)
@@ -110,20 +110,44 @@ async def test_stop_watcher__silent_then_healed_without_its_connection__a_stop_w
 
 
 @pytest.mark.spec("PT4")
-async def test_stop_watcher__connection_cut_outright__a_stop_written_while_it_cannot_reconnect_stops_the_build(
+async def test_stop_watcher__connection_cut_outright__stops_written_while_it_cannot_reconnect_stop_each_build(
         watched: tuple[Harness, PgFaultProxy]):
-    """The listening connection is cut (both sides closed), and new connections are refused for a while; a stop is
-    written meanwhile. Once connections are accepted again, the watcher listens again, reads the row, and the build
-    stops within the bound."""
+    """The listening connection, shared by two builds, is cut (both sides closed), and new connections are refused
+    for a while; a stop is written for each build meanwhile. Once connections are accepted again, the listener
+    listens again, every build's watch reads its row, and both builds stop within the bound."""
     h, proxy = watched
-    job_id = await h.create()
-    await building(h, job_id)
-    assert proxy.open_connections == 1  # the watcher's, listening
+    jobs = [await h.create() for _ in range(2)]
+    for job_id in jobs:
+        await building(h, job_id)
+    assert proxy.open_connections == 1  # the listener's, for both builds
     proxy.refuse_new_connections()
     proxy.cut_all()
-    request_id = await request_stop(h, job_id)
+    request_ids = [await request_stop(h, job_id) for job_id in jobs]
     await asyncio.sleep(AWAY_SECONDS)
-    assert (await h.store.read_job(job_id)).status is Status.RUNNING, "stopped while the watcher was away"
+    for job_id in jobs:
+        assert (await h.store.read_job(job_id)).status is Status.RUNNING, "stopped while the listener was away"
     proxy.accept_new_connections()
     back_at = await db_now(h)
-    await assert_stopped_by_the_watcher_within_the_bound(h, job_id, request_id, back_at, "cut listener")
+    for index, (job_id, request_id) in enumerate(zip(jobs, request_ids, strict=True)):
+        await assert_stopped_by_the_watcher_within_the_bound(h, job_id, request_id, back_at,
+                                                             f"cut listener, build {index + 1}")
+
+
+@pytest.mark.spec("PT4", "LD6")
+async def test_stop_watcher__builds_on_one_worker_share_one_listening_connection__each_stop_reaches_its_own_build(
+        watched: tuple[Harness, PgFaultProxy]):
+    """Three builds at once on one worker listen through one connection (a connection per build cost a PostgreSQL
+    session per export, and each heard every export's stops). A stop written for one of them (the row write alone)
+    stops that build and no other; the next stops the next, through the same connection."""
+    h, proxy = watched
+    jobs = [await h.create() for _ in range(3)]
+    for job_id in jobs:
+        await building(h, job_id)
+    assert proxy.open_connections == 1, f"{proxy.open_connections} listening connections for {len(jobs)} builds"
+    for index, job_id in enumerate(jobs):
+        written_at = await db_now(h)
+        request_id = await request_stop(h, job_id)
+        await assert_stopped_by_the_watcher_within_the_bound(h, job_id, request_id, written_at, f"build {index + 1}")
+        for later in jobs[index + 1:]:
+            assert (await h.store.read_job(later)).status is Status.RUNNING, "a stop reached another build"
+    assert proxy.open_connections == 1
