@@ -211,11 +211,15 @@ async def connect_raw(url: str, bounds: Bounds | None = None) -> asyncpg.Connect
 
 
 class RawConnections:
-    """Connections outside the pools for one kind of long statement (a build's COPY), at most `most` at once, kept
-    open `idle_seconds` between uses: a new PostgreSQL session for each use cost about 6 ms of CPU, client and
-    server. A connection its user leaves unusable (a COPY abandoned midway) is terminated, never handed out again.
-    The caller bounds how many it uses at once (the worker's build slots), so a use never waits for another's; the
-    wait is bounded all the same, by a connect to each host of the URL."""
+    """Connections outside the pools for one kind of long statement (a build's COPY), kept open `idle_seconds`
+    between uses, at most `most` of them: a new PostgreSQL session for each use cost about 6 ms of CPU, client and
+    server. The caller bounds how many it uses at once (the worker's build slots).
+
+    A kept connection is asked one bounded round trip before it is used: a server that went silent behind a live
+    peer (a failed-over primary whose host still takes packets) answers nothing, and the kernel's keepalives see no
+    fault there, so without the question the long statement would wait on it for good. One that does not answer is
+    terminated with every other kept one (made to the same server), and a new connection is made as a first one
+    is, host by host. A connection its user leaves unusable (a COPY abandoned midway) is terminated, never kept."""
 
     def __init__(self, kind: str, url: str, bounds: Bounds | None = None, *, most: int,
                  idle_seconds: float = 30.0) -> None:
@@ -224,49 +228,81 @@ class RawConnections:
         self.bounds = Bounds.defaults() if bounds is None else bounds
         self.most = most
         self.idle_seconds = idle_seconds
-        self._pool: asyncpg.Pool | None = None
-        self._starting = asyncio.Lock()
-        self._wait_seconds = self.bounds.connect_seconds * max(1, len(urls.parse(self.dsn).hosts)) + 1.0
+        self._idle: list[tuple[asyncpg.Connection, asyncio.TimerHandle]] = []  # the most recently used last
+        self._in_use = 0
+        self._closing: set[asyncio.Task[None]] = set()
 
     @asynccontextmanager
-    async def connection(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
-        """A connection for one use; on any failure or cancellation it is terminated, not reused."""
-        pool = await self._started()
-        conn = await pool.acquire(timeout=self._wait_seconds)
+    async def connection(self) -> AsyncIterator[asyncpg.Connection]:
+        """A connection for one use; on any failure or cancellation it is terminated, not kept."""
+        conn = await self._take()
+        self._in_use += 1
         try:
             yield conn
         except BaseException:
-            # A connection that closed under its use (a cut) went back to the pool by itself, as closed.
-            with contextlib.suppress(asyncpg.InterfaceError):
-                conn.terminate()
+            conn.terminate()
             raise
         finally:
-            try:
-                # Its reset's round trip, bounded: one that does not answer is terminated by asyncpg.
-                await pool.release(conn, timeout=self.bounds.connect_seconds)
-            except Exception as exc:  # noqa: BLE001 - the use succeeded; the connection is gone, not reused
-                log.info("a %s connection not kept for reuse: %s", self.kind, errors.describe(exc))
+            self._in_use -= 1
+        self._keep(conn)
 
-    async def _started(self) -> asyncpg.Pool:
-        async with self._starting:
-            if self._pool is None:
-                pool = asyncpg.create_pool(min_size=0, max_size=self.most,
-                                           max_inactive_connection_lifetime=self.idle_seconds, connect=self._connect)
-                self._pool = await pool
-            return self._pool
-
-    async def _connect(self, *args: object, **kwargs: object) -> asyncpg.Connection:
+    async def _take(self) -> asyncpg.Connection:
+        while self._idle:
+            conn, timer = self._idle.pop()
+            timer.cancel()
+            if await self._answers(conn):
+                return conn
+            for other, other_timer in self._idle:
+                other_timer.cancel()
+                other.terminate()
+            self._idle.clear()
         return await connect_raw(self.dsn, self.bounds)
 
-    async def close(self) -> None:
-        """Close the idle connections, never waiting on a silent network for longer than a connect."""
-        pool, self._pool = self._pool, None
-        if pool is None:
-            return
+    async def _answers(self, conn: asyncpg.Connection) -> bool:
+        """Whether a kept connection answers one round trip within a connect's bound; terminated when not."""
         try:
-            await asyncio.wait_for(pool.close(), self.bounds.connect_seconds)
-        except Exception:  # noqa: BLE001 - a timeout or a connection already broken: end them all now
-            pool.terminate()
+            async with asyncio.timeout(self.bounds.connect_seconds):
+                await conn.fetchval("SELECT 1")
+            return True
+        except BaseException as exc:
+            conn.terminate()
+            if not isinstance(exc, Exception):
+                raise  # the user was cancelled while it asked
+            log.warning("a kept %s connection did not answer (%s): making a new one", self.kind,
+                        errors.describe(exc))
+            return False
+
+    def _keep(self, conn: asyncpg.Connection) -> None:
+        if conn.is_closed():
+            return
+        if len(self._idle) + self._in_use >= self.most:
+            self._close(conn)
+            return
+        timer = asyncio.get_running_loop().call_later(self.idle_seconds, self._expire, conn)
+        self._idle.append((conn, timer))
+
+    def _expire(self, conn: asyncpg.Connection) -> None:
+        self._idle = [(kept, timer) for kept, timer in self._idle if kept is not conn]
+        self._close(conn)
+
+    def _close(self, conn: asyncpg.Connection) -> None:
+        """A goodbye to the server, bounded: one that does not answer is terminated (asyncpg's close does that)."""
+        async def close() -> None:
+            with contextlib.suppress(Exception):
+                await conn.close(timeout=self.bounds.connect_seconds)
+
+        task = asyncio.create_task(close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        """Close the kept connections; those in use are their users' to end."""
+        idle, self._idle = self._idle, []
+        for conn, timer in idle:
+            timer.cancel()
+            self._close(conn)
+        if self._closing:
+            await asyncio.wait(set(self._closing))
 
 
 def _alembic_config(connection: Connection | None = None) -> Config:

@@ -1,7 +1,8 @@
 """The builds' COPY connections (activities/builder.py's `copy_connections`, store/db.py's `RawConnections`),
 reaching PostgreSQL through tests/helpers/faults.py's proxy, which counts the connections it forwards and those
 still open: a finished build's connection serves the next build; one whose COPY was abandoned midway is
-terminated, never handed to the next; an idle one closes after its idle time; and closing them leaves none."""
+terminated, never handed to the next; a kept one whose server went silent is not waited on; an idle one closes
+after its idle time; and closing them leaves none."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from collections.abc import AsyncIterator
 import pytest
 
 from activities.builder import build_contacts_csv, copy_connections, partial_path
-from store.db import RawConnections
+from store.db import Bounds, RawConnections, asyncpg_dsn
 from tests.helpers.faults import PgFaultProxy, fault_proxy
 from tests.helpers.support import eventually, seed_tenant
 
 CONTACTS = 2000
 BOUND = 20.0
+CONNECT = 1.5  # the bound under test: a kept connection's question, and a connect
 
 
 @pytest.fixture
@@ -74,3 +76,31 @@ async def test_an_idle_copy_connection_closes_after_its_idle_time(db, proxy, tmp
         assert proxy.accepted == 2
     finally:
         await connections.close()
+
+
+@pytest.mark.spec("PT6")
+async def test_a_kept_connection_whose_server_went_silent_is_left_for_a_new_one_within_a_connects_bound(
+        db, proxy, tmp_path):
+    """The server behind a kept connection stops answering while the connection stays open (a failed-over primary
+    whose host still takes packets: the kernel's keepalives see nothing wrong, and a COPY has no statement bound).
+    The next build asks the kept connection first, gives up on it within a connect's bound, and builds on a new
+    connection, made as a first one is (here to the promoted server, as the URL's next host would be)."""
+    tenant_id, _ = await seed_tenant(db.admin, contacts=CONTACTS)
+    connections = copy_connections(proxy.url("exports_app", db.name),
+                                   Bounds(statement_seconds=None, connect_seconds=CONNECT, tcp_user_timeout_seconds=4),
+                                   most=2)
+    try:
+        whole = await build_contacts_csv(connections, tenant_id, tmp_path / "before.csv")
+        assert proxy.open_connections == 1  # kept
+        proxy.go_silent()
+        connections.dsn = asyncpg_dsn(db.url("app"))  # the next host
+        started = asyncio.get_running_loop().time()
+        after = await asyncio.wait_for(build_contacts_csv(connections, tenant_id, tmp_path / "after.csv"), BOUND)
+        took = asyncio.get_running_loop().time() - started
+    finally:
+        proxy.heal()
+        await connections.close()
+    print(f"\nbuilt {took:.2f} s after the server went silent (the kept connection's bound: {CONNECT:g} s)")
+    assert after == whole
+    assert CONNECT <= took < CONNECT + 3.0, took  # the question was asked, and bounded
+    assert proxy.accepted == 1  # the new connection did not go to the silent server
