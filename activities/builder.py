@@ -83,8 +83,9 @@ class _HashingSink:
 
 
 def copy_connections(url: str, bounds: Bounds | None = None, *, most: int) -> RawConnections:
-    """Connections for builds' COPYs, `most` at once. No statement bound: a COPY may rightly run long; keepalives
-    see a silent server."""
+    """Connections for builds' COPYs, `most` at once, kept between builds. No statement bound: a COPY may rightly
+    run long. Keepalives see a server gone silent during a COPY; a kept connection is asked a bounded question
+    before its next one (store/db.py)."""
     return RawConnections("COPY", url, replace(bounds or Bounds.defaults(), statement_seconds=None), most=most)
 
 
@@ -97,10 +98,9 @@ async def build_contacts_csv(
     throttle_bytes_per_second: int = 0,
 ) -> tuple[int, str]:
     """Write the tenant's contacts to `path`, through one of `connections` (`copy_connections`); returns (bytes,
-    sha256 hex). The file is written under
-    `partial_path(path)` and renamed to `path` once whole and synced, so a file under `path` is always a finished
-    build (a resumption may deliver it: see the build activity). A COPY abandoned midway leaves its connection
-    unusable: `connections` terminates it rather than wait on it."""
+    sha256 hex). The file is written under `partial_path(path)` and renamed to `path` once whole and synced, so a
+    file under `path` is always a finished build (a resumption may deliver it: see the build activity). A COPY
+    abandoned midway leaves its connection unusable: `connections` terminates it rather than wait on it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = partial_path(path)
     finished = False
