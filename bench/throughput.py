@@ -170,6 +170,11 @@ async def measure(*, exports: int, rounds: int) -> Row:
     # (database, SFTP, files, the worker), which no no-op does.
     row.notes.append(f"CPU per run: the export's worker {middle(worker_ms):.0f} ms, the no-op worker "
                      f"{middle(noop_ms):.0f} ms")
+    # The machine's pace drifts between rounds (the ceiling moved from 6.0 to 7.7/s across full runs on one 2-core
+    # machine): each round's export rate against the ceiling measured right after it shows how far the ratio
+    # above is the machine's drift.
+    row.notes.append("each round against its own ceiling: " + ", ".join(
+        f"{rate / ceiling_now:.2f}" for rate, ceiling_now in zip(ours, shaped, strict=True)))
     row.notes.append(
         f"beside the server, the export's work kept {middle(extra):.2f} of a core busier than the no-ops did "
         f"({os.cpu_count()} cores); the shape's no-ops beside busy loops burning that much reach "
