@@ -55,10 +55,6 @@ class StopListener:
         self._said_unavailable = False  # one log line per absence, not one per try
         self._keeping: asyncio.Task[None] | None = None
 
-    @property
-    def listening(self) -> bool:
-        return self._conn is not None
-
     async def add(self, watch: StopWatch) -> None:
         """Hand `watch` its export's notifications; returns once the listener listens, or its first try failed (it
         tries again at each check, and the build goes on meanwhile)."""
