@@ -61,7 +61,11 @@ class StopListener:
         self._watches.setdefault(str(watch.job_id), set()).add(watch)
         if self._keeping is None:
             self._keeping = asyncio.create_task(self._keep_listening(), name="stop-listener")
-        await self._tried.wait()  # bounded: _listen's own bound
+        try:
+            await self._tried.wait()  # bounded: _listen's own bound
+        except BaseException:
+            self.remove(watch)  # its build was cancelled meanwhile: never a watch left behind
+            raise
 
     def remove(self, watch: StopWatch) -> None:
         key = str(watch.job_id)
