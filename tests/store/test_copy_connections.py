@@ -8,28 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 
 import pytest
 
 from activities.builder import build_contacts_csv, copy_connections, partial_path
 from store.db import Bounds, RawConnections, asyncpg_dsn
-from tests.helpers.faults import PgFaultProxy, fault_proxy
 from tests.helpers.support import eventually, seed_tenant
 
 CONTACTS = 2000
 BOUND = 20.0
 CONNECT = 1.5  # the bound under test: a kept connection's question, and a connect
-
-
-@pytest.fixture
-async def proxy(db) -> AsyncIterator[PgFaultProxy]:
-    async with fault_proxy(db.server) as running:
-        yield running
-
-
-async def open_count(proxy: PgFaultProxy) -> int:
-    return proxy.open_connections
 
 
 @pytest.mark.spec("LD1")
@@ -53,14 +41,15 @@ async def test_a_finished_builds_connection_serves_the_next_and_an_abandoned_one
             await asyncio.wait_for(build, BOUND)
         assert build.cancelled()
         assert not slow.exists() and not partial_path(slow).exists()
-        await eventually(lambda: open_count(proxy), lambda n: n == 0, timeout=BOUND,
+        await eventually(lambda: asyncio.sleep(0, proxy.open_connections), lambda n: n == 0, timeout=BOUND,
                          what="the abandoned COPY's connection terminated")
 
         assert await build_contacts_csv(connections, tenant_id, tmp_path / "after.csv") in whole
         assert proxy.accepted == 2, "the build after the abandoned one got a new connection"
     finally:
         await connections.close()
-    await eventually(lambda: open_count(proxy), lambda n: n == 0, timeout=BOUND, what="every connection closed")
+    await eventually(lambda: asyncio.sleep(0, proxy.open_connections), lambda n: n == 0, timeout=BOUND,
+                     what="every connection closed")
 
 
 @pytest.mark.spec("LD1")
@@ -70,7 +59,7 @@ async def test_an_idle_copy_connection_closes_after_its_idle_time(db, proxy, tmp
     try:
         await build_contacts_csv(connections, tenant_id, tmp_path / "build.csv")
         assert proxy.open_connections == 1
-        await eventually(lambda: open_count(proxy), lambda n: n == 0, timeout=BOUND,
+        await eventually(lambda: asyncio.sleep(0, proxy.open_connections), lambda n: n == 0, timeout=BOUND,
                          what="the idle connection closed")
         await build_contacts_csv(connections, tenant_id, tmp_path / "later.csv")
         assert proxy.accepted == 2

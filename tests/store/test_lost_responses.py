@@ -22,7 +22,7 @@ from store.db import make_engine
 from store.jobs import JobStore
 from store.models import AuthorizationResult, BuiltFile, ClaimResult, FailureCode, JobRow, Status
 from tests.helpers.events import events, kinds
-from tests.helpers.faults import CLAIM_STATEMENT, PgFaultProxy, fault_proxy
+from tests.helpers.faults import CLAIM_STATEMENT, PgFaultProxy
 from tests.helpers.support import create_job, eventually, seed_tenant
 
 T = TypeVar("T")
@@ -33,12 +33,6 @@ BOUND = 15.0  # seconds; every store call here finishes far sooner or the test f
 
 async def bounded(call: Awaitable[T]) -> T:
     return await asyncio.wait_for(call, BOUND)
-
-
-@pytest.fixture
-async def proxy(db) -> AsyncIterator[PgFaultProxy]:
-    async with fault_proxy(db.server) as running:
-        yield running
 
 
 @pytest.fixture

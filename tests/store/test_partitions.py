@@ -20,7 +20,7 @@ from store.db import Bounds, connect_raw, make_engine
 from store.jobs import JobStore
 from store.models import ClaimResult
 from tests.helpers.events import events, kinds
-from tests.helpers.faults import CLAIM_STATEMENT, PgFaultProxy, fault_proxy
+from tests.helpers.faults import CLAIM_STATEMENT
 from tests.helpers.support import create_job, seed_tenant
 
 T = TypeVar("T")
@@ -45,12 +45,6 @@ async def timed(call: Awaitable[T]) -> tuple[T | BaseException, float]:
     except Exception as exc:
         result = exc
     return result, time.monotonic() - started
-
-
-@pytest.fixture
-async def proxy(db) -> AsyncIterator[PgFaultProxy]:
-    async with fault_proxy(db.server) as running:
-        yield running
 
 
 @pytest.fixture

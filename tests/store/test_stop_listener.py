@@ -7,27 +7,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 
 from activities.stop_watch import StopListener, StopWatch
 from store.db import Bounds, asyncpg_dsn
-from tests.helpers.faults import PgFaultProxy, fault_proxy
 from tests.helpers.support import eventually
 
 BOUNDS = Bounds(statement_seconds=2.0, connect_seconds=1.5, tcp_user_timeout_seconds=4)
 BOUND = 20.0
-
-
-@pytest.fixture
-async def proxy(db) -> AsyncIterator[PgFaultProxy]:
-    async with fault_proxy(db.server) as running:
-        yield running
-
-
-async def opened(proxy: PgFaultProxy) -> int:
-    return proxy.open_connections
 
 
 @pytest.mark.spec("PT4")
@@ -46,10 +34,12 @@ async def test_a_watch_cancelled_while_the_listener_first_connects_is_not_left_b
 
         proxy.accept_new_connections()
         async with StopWatch(listener, store, uuid.uuid4(), uuid.uuid4(), on_stop=lambda: None):
-            await eventually(lambda: opened(proxy), lambda n: n >= 1, timeout=BOUND, what="the listener listening")
+            await eventually(lambda: asyncio.sleep(0, proxy.open_connections), lambda n: n >= 1, timeout=BOUND,
+                             what="the listener listening")
             assert len(listener._watches) == 1
         assert listener._watches == {}
     finally:
         proxy.accept_new_connections()
         await listener.close()
-    await eventually(lambda: opened(proxy), lambda n: n == 0, timeout=BOUND, what="the listener closed")
+    await eventually(lambda: asyncio.sleep(0, proxy.open_connections), lambda n: n == 0, timeout=BOUND,
+                     what="the listener closed")
