@@ -493,13 +493,16 @@ async def chaos_window(c: Chaos) -> None:
     def short() -> list[str]:
         return [k for k, n in PROFILE.minimum.items() if c.injected[k] < n and k != "Temporal restart"]
 
-    # The window is extended (by half at most, creating nothing new) while a class is short of its minimum.
+    # The window is extended (by half at most) while a class is short of its minimum.
     while (now := time.monotonic() - start) < CHAOS_SECONDS or (now < 1.5 * CHAOS_SECONDS and short()):
         if restarts and now >= restarts[0]:
             restarts.pop(0)
             await restart_temporal(c)
             continue
-        if created < EXPORTS and now >= next_create:
+        # A partner cut fires only on an upload: while the extension waits for cuts, it goes on creating exports
+        # for them to land on (an armed cut would otherwise wait for uploads that never come).
+        wants_uploads = now >= CHAOS_SECONDS and c.injected["partner cut"] < PROFILE.minimum["partner cut"]
+        if (created < EXPORTS or wants_uploads) and now >= next_create:
             job_id = await c.h.create()
             c.jobs.append(job_id)
             created += 1
