@@ -21,6 +21,7 @@ from activities.export_base import ExportActivitiesBase, attempt_step
 from activities.lease import LeaseKeeper
 from activities.partner_connection import HostKeyMismatch
 from activities.partner_files import FinalDirMissing, preflight
+from activities.partner_looks import PartnerLooks
 from activities.patience import retry_patiently, run_to_end
 from activities.process import metrics
 from activities.stop_watch import StopListener, StopWatch
@@ -44,11 +45,14 @@ class BuildActivities(ExportActivitiesBase):
         self.stop_listener = StopListener(asyncpg_dsn(self.settings.database_url), bounds)
         # The builds' COPY connections, one per build slot, kept between builds.
         self.copy_connections = copy_connections(self.settings.database_url, bounds, most=self.settings.max_builds)
+        # The preparation's looks at each partner, on a session the builds share (activities/partner_looks.py).
+        self.partner_looks = PartnerLooks()
 
     async def close(self) -> None:
         await super().close()
         await self.stop_listener.close()
         await self.copy_connections.close()
+        await self.partner_looks.close()
 
     @activity.defn
     @attempt_step
@@ -267,7 +271,7 @@ class BuildActivities(ExportActivitiesBase):
             return None
         config = DestinationConfig.from_row(destination)
         try:
-            final = await preflight(config, final_name)
+            final = await preflight(config, final_name, looks=self.partner_looks)
         except (HostKeyMismatch, FinalDirMissing, asyncssh.PermissionDenied, ValueError) as exc:
             return FailureCode.NOT_DELIVERED, f"preparation: {type(exc).__name__}: {exc}"
         except Exception as exc:

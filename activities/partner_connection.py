@@ -115,14 +115,42 @@ CIPHERS = sorted((alg.decode() for alg in get_default_encryption_algs()), key=la
 async def connect(
     dest: DestinationConfig, *, connect_timeout: float = 10.0
 ) -> AsyncIterator[asyncssh.SFTPClient]:
-    """An SFTP session with the partner, whose host key must be exactly `dest.host_key`.
+    """An SFTP session with the partner, whose host key must be exactly `dest.host_key`, closed on exit.
 
     Raises HostKeyMismatch for any other key, ValueError for a bad credential_ref or host_key, asyncssh.Error
     or OSError (including TimeoutError) when the server cannot be reached within `connect_timeout`. Once
     connected, a server silent for `connect_timeout` (keepalives unanswered) ends the session: asyncssh's
     ConnectionLost.
     """
-    client_key = load_client_key(dest.credential_ref)
+    conn, sftp = await open_session(dest, connect_timeout=connect_timeout)
+    try:
+        yield sftp
+    finally:
+        await close_session(dest, conn, sftp, timeout=connect_timeout)
+
+
+async def close_session(dest: DestinationConfig, conn: asyncssh.SSHClientConnection,
+                        sftp: asyncssh.SFTPClient | None, *, timeout: float) -> None:
+    """Ends the session and its connection, waiting at most `timeout` for the goodbye."""
+    try:
+        if sftp is not None:
+            sftp.exit()
+    finally:
+        conn.close()
+        try:
+            async with asyncio.timeout(timeout):
+                await conn.wait_closed()
+        except (asyncssh.Error, OSError) as exc:
+            # The session's work is done or already failed; a slow goodbye changes nothing.
+            logger.debug("closing the connection to %s:%d: %s", dest.host, dest.port, exc)
+
+
+async def open_session(dest: DestinationConfig, *, connect_timeout: float = 10.0,
+                       client_key: asyncssh.SSHKey | None = None,
+                       ) -> tuple[asyncssh.SSHClientConnection, asyncssh.SFTPClient]:
+    """`connect`'s session, for a caller that closes it (`close_session`) when it will: its connection and its
+    SFTP client. `client_key`, when given, is the one `dest.credential_ref` names, already loaded."""
+    client_key = client_key if client_key is not None else load_client_key(dest.credential_ref)
     pinned = _pinned_host_key(dest.host_key)
     logger.info("connecting to partner %s:%d as %s", dest.host, dest.port, dest.username)
     try:
@@ -166,16 +194,7 @@ async def connect(
         raise
     try:
         async with asyncio.timeout(connect_timeout):
-            sftp = await conn.start_sftp_client()
-        try:
-            yield sftp
-        finally:
-            sftp.exit()
-    finally:
-        conn.close()
-        try:
-            async with asyncio.timeout(connect_timeout):
-                await conn.wait_closed()
-        except (asyncssh.Error, OSError) as exc:
-            # The session's work is done or already failed; a slow goodbye changes nothing.
-            logger.debug("closing the connection to %s:%d: %s", dest.host, dest.port, exc)
+            return conn, await conn.start_sftp_client()
+    except BaseException:
+        await close_session(dest, conn, None, timeout=connect_timeout)
+        raise

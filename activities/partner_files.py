@@ -14,6 +14,7 @@ from activities import outcomes
 from activities.destination import DestinationConfig, Replacement
 from activities.outcomes import RemoteFile
 from activities.partner_connection import connect, within
+from activities.partner_looks import PartnerLooks
 from activities.sftp_check_file import check_file_sha256
 
 
@@ -37,14 +38,22 @@ async def require_final_dir(sftp: asyncssh.SFTPClient, dest: DestinationConfig) 
         raise FinalDirMissing(f"final directory {dest.final_dir} does not exist at the partner") from None
 
 
-async def preflight(dest: DestinationConfig, final_name: str, *, timeout: float = 10.0) -> RemoteFile:
+async def preflight(dest: DestinationConfig, final_name: str, *, timeout: float = 10.0,
+                    looks: PartnerLooks | None = None) -> RemoteFile:
     """The preparation's look, before the build: connect with the pinned key and the credential, require the final
-    directory, and list the final name. Raises HostKeyMismatch, ValueError (an unusable credential or key),
-    asyncssh.PermissionDenied (the credential is refused) or FinalDirMissing for what no retry can mend."""
+    directory, and list the final name; on a session `looks` shares with other looks, else on a connection of its
+    own. Raises HostKeyMismatch, ValueError (an unusable credential or key), asyncssh.PermissionDenied (the
+    credential is refused) or FinalDirMissing for what no retry can mend."""
+
+    async def look(sftp: asyncssh.SFTPClient) -> RemoteFile:
+        await require_final_dir(sftp, dest)
+        return await list_file(sftp, posixpath.join(dest.final_dir, final_name))
+
     async with within(timeout * 3):
+        if looks is not None:
+            return await looks.look(dest, look, connect_timeout=timeout)
         async with connect(dest, connect_timeout=timeout) as sftp:
-            await require_final_dir(sftp, dest)
-            return await list_file(sftp, posixpath.join(dest.final_dir, final_name))
+            return await look(sftp)
 
 
 async def list_final(dest: DestinationConfig, final_name: str, *, timeout: float = 10.0) -> RemoteFile:

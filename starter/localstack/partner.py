@@ -141,8 +141,9 @@ class _ConnectionTracker(asyncssh.SSHServer):
 
     def __init__(self, connections: set[asyncssh.SSHServerConnection],
                  sftp_factory: Callable[[asyncssh.SSHServerChannel[bytes]], _PartnerSFTPServer],
-                 hooks: PartnerHooks) -> None:
+                 hooks: PartnerHooks, on_accepted: Callable[[], None]) -> None:
         self._connections = connections
+        self._on_accepted = on_accepted
         self._sftp_factory = sftp_factory
         self._hooks = hooks
         self._conn: asyncssh.SSHServerConnection | None = None
@@ -166,6 +167,7 @@ class _ConnectionTracker(asyncssh.SSHServer):
     def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
         self._conn = conn
         self._connections.add(conn)
+        self._on_accepted()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._conn is not None:
@@ -207,6 +209,7 @@ class LocalPartner:
         self.host_key_line = ""
         self._server: asyncssh.SSHAcceptor | None = None
         self._connections: set[asyncssh.SSHServerConnection] = set()
+        self.accepted_connections = 0  # since start, however each ended
 
     @property
     def final_dir(self) -> Path:
@@ -233,7 +236,8 @@ class LocalPartner:
             server_factory=lambda: _ConnectionTracker(
                 self._connections,
                 lambda chan: _PartnerSFTPServer(chan, root=root, hooks=hooks,
-                                                offers_check_file=self.offers_check_file), hooks),
+                                                offers_check_file=self.offers_check_file), hooks,
+                self._accepted),
             allow_scp=False,
             config=[],
         )
@@ -246,6 +250,9 @@ class LocalPartner:
             self._server.close()
             await self._server.wait_closed()
             self._server = None
+
+    def _accepted(self) -> None:
+        self.accepted_connections += 1
 
     @property
     def open_connections(self) -> int:
