@@ -125,7 +125,7 @@ _OWN_CODE_ONLY = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if '
 
 
 _REPLAY = """
-import asyncio, importlib, inspect, json, pkgutil, sys
+import asyncio, importlib, inspect, json, os, pkgutil, sys
 from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
@@ -145,8 +145,11 @@ async def main():
                                                 raise_on_replay_failure=False)
         if result.replay_failure is not None:
             failures.append(path + ": " + str(result.replay_failure).splitlines()[0][:300])
-    print(json.dumps(failures))
+    print(json.dumps(failures), flush=True)
 asyncio.run(main())
+# Without the interpreter's teardown, where the SDK's threads could abort the process once the answer was printed
+# (temporalio/sdk-python#300; seen once replaying 0.2.0's code: exit -6, "PyGILState_Release").
+os._exit(0)
 """
 
 
