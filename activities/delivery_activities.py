@@ -311,10 +311,14 @@ class DeliveryActivities(ExportActivitiesBase):
                 failure = FailureCode(result.failure_reason) if result.failure_reason else None
                 async def evidence_then_outcome() -> bool:
                     await evidence.flush()
-                    # Cancelled, the run may be gone (terminated) and never read this write: wake the export.
+                    # Wake the export where its run may never read this write: cancelled (the run may be gone,
+                    # terminated), or past the step's bound (a paused worker: Temporal gave the step up, and the run
+                    # read the row still Delivering and waits for a wake-up).
+                    heard = beats()
+                    given_up = heard is not None and _past(heard.bound())
                     return await self.store.finish_delivery(job.id, attempt_id, outcome, failure, result.summary,
                                                             holder=file.holder, confirmed_by=result.confirmed_by,
-                                                            wake=cancelled.is_set())
+                                                            wake=cancelled.is_set() or given_up)
 
                 # Only this attempt knows what happened at the partner: wait out an outage rather than leave
                 # recovery to judge without the receipt. The keeper keeps renewing meanwhile.

@@ -1,6 +1,7 @@
 -- The attempt's terminal write after cutoff 2: Delivering -> Completed (with what confirmed it), Failed (with its
 -- code) or OutcomeUnknown, for this attempt only. With :wake (the delivery learnt that its run is gone, say
--- terminated), an outbox row too: the dispatcher starts a run that reads the row, so the view follows it.
+-- terminated, or wrote past the step's bound, after Temporal gave it up), an outbox row too: the dispatcher wakes
+-- or starts a run that reads the row, so the view follows it.
 WITH finished AS (
     UPDATE export_jobs
     SET status = :outcome, failure_reason = CAST(:failure_reason AS text), lease_expires_at = NULL,

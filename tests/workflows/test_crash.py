@@ -395,6 +395,49 @@ async def test_killed_after_cutoff_2_committed__the_run_reads_the_settled_row_wi
     assert described.typed_search_attributes.get(EXPORT_STATUS) == "Completed"
 
 
+@pytest.mark.spec("HI4")
+async def test_an_upload_that_settles_after_temporal_gave_it_up__the_waiting_run_returns_the_row(crash_harness):
+    """Found by the chaos run (seed 712642): a worker paused after its partner's receipt, past the upload's
+    heartbeat timeout. Temporal gives the step up and the run, reading the row still `Delivering`, waits for a
+    wake-up. Woken, the worker makes its terminal write, `Completed`: the run must learn of it then, not at its next
+    timer (300 s), and its search attributes must say `Completed`."""
+    h = crash_harness
+    async with processes(h) as started:
+        paused = await start_worker(started, h, hold_at=checkpoints.AFTER_RECEIPT, max_builds=1)
+        job_id = await h.create()
+        await held_at(h.settings, checkpoints.AFTER_RECEIPT, job_id)
+        assert paused.process is not None
+        paused.process.send_signal(signal.SIGSTOP)
+        try:
+            await start_worker(started, h)  # the run goes on here
+
+            async def given_up_and_waiting() -> bool:
+                history = await h.client.get_workflow_handle(export_workflow_id(job_id)).fetch_history()
+                kinds_after = [e.event_type for e in history.events]
+                if EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT not in kinds_after:
+                    return False
+                after = kinds_after[kinds_after.index(EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT):]
+                return EventType.EVENT_TYPE_TIMER_STARTED in after
+
+            await eventually(given_up_and_waiting, bool, timeout=60, interval=0.2,
+                             what="the upload given up and the run waiting for a wake-up")
+            assert (await h.store.read_job(job_id)).status is Status.DELIVERING
+        finally:
+            (Path(h.settings.work_dir) / f"release-{checkpoints.AFTER_RECEIPT}-{job_id}").touch()
+            paused.process.send_signal(signal.SIGCONT)
+        handle = h.client.get_workflow_handle(export_workflow_id(job_id), result_type=ExportResult)
+        result = await asyncio.wait_for(handle.result(), timeout=30)
+        described = await handle.describe()
+
+    row = await h.store.read_job(job_id)
+    assert row.status is Status.COMPLETED and result.status is Status.COMPLETED
+    assert "Finished" in kinds(await events(h.db, job_id))  # the paused worker's own terminal write settled it
+    assert described.typed_search_attributes.get(EXPORT_STATUS) == "Completed"
+    assert outbound_names(h.partner) == [row.final_name]
+    runs = await activity_runs(h, job_id)
+    assert [r.outcome for r in named(runs, "deliver")] == ["timed_out"]
+
+
 @pytest.mark.spec("RI4")
 async def test_a_paused_upload_taken_back_by_recovery_never_renames(crash_harness):
     """The adversary's case for the rename fence: a worker paused (SIGSTOP) with every byte sent, before its rename,
