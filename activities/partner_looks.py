@@ -52,7 +52,6 @@ class _Session:
     opened_at: float
     connect_timeout: float
     looks: int = 0
-    retired: bool = False  # takes no new looks; closes once its last look ends
     closed: bool = False
     idle_close: asyncio.TimerHandle | None = None
 
@@ -117,7 +116,7 @@ class PartnerLooks:
         """A session for one more look, and whether earlier looks used it."""
         session = self._sessions.get(key)
         if session is not None:
-            if self._usable(session):
+            if self._usable(key, session):
                 if session.idle_close is not None:
                     session.idle_close.cancel()
                     session.idle_close = None
@@ -164,23 +163,25 @@ class PartnerLooks:
         if opening.waiting == 0:  # every look that waited for it was cancelled
             self._release(key, session, session.dest, taken=False)
 
-    def _usable(self, session: _Session) -> bool:
+    def _usable(self, key: _Key, session: _Session) -> bool:
+        """Whether the session takes new looks: the one mapped for its key (a retired one no longer is), open, and
+        young enough."""
         age = asyncio.get_running_loop().time() - session.opened_at
-        return not session.retired and not session.conn.is_closed() and age < self.max_age_seconds
+        return self._sessions.get(key) is session and not session.conn.is_closed() and age < self.max_age_seconds
 
     def _release(self, key: _Key, session: _Session, dest: DestinationConfig, *, taken: bool = True) -> None:
         if taken:
             session.looks -= 1
         if session.looks > 0:
             return
-        if not self._usable(session) or dest.contract.max_sessions is not None or self.linger_seconds <= 0:
+        if not self._usable(key, session) or dest.contract.max_sessions is not None or self.linger_seconds <= 0:
             self._retire(key, session)
         elif session.idle_close is None:
             session.idle_close = asyncio.get_running_loop().call_later(self.linger_seconds, self._retire, key,
                                                                        session)
 
     def _retire(self, key: _Key, session: _Session) -> None:
-        session.retired = True
+        """No new looks on the session; it closes once its last look ends."""
         if self._sessions.get(key) is session:
             del self._sessions[key]
         if session.idle_close is not None:
