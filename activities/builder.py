@@ -30,6 +30,13 @@ CONTACTS_QUERY = (
 )
 
 
+def contacts_query(tenant_id: UUID) -> str:
+    """CONTACTS_QUERY for one tenant, its ID written in: COPY takes no parameters, and asyncpg's copy_from_query
+    with arguments asks the server to quote them (a round trip per build). A UUID's text is hex digits and
+    hyphens only, so it needs no quoting of its own."""
+    return CONTACTS_QUERY.replace("$1", f"'{UUID(str(tenant_id))}'::uuid")
+
+
 class BuildError(Exception):
     """The build failed for a reason other than a stop; nothing has left the process."""
 
@@ -108,7 +115,7 @@ async def build_contacts_csv(
         async with connections.connection() as conn:
             with open(partial, "wb") as handle:
                 sink = _HashingSink(handle, on_progress, throttle_bytes_per_second)
-                await conn.copy_from_query(CONTACTS_QUERY, tenant_id, output=sink, format="csv", header=True)
+                await conn.copy_from_query(contacts_query(tenant_id), output=sink, format="csv", header=True)
                 handle.flush()
                 os.fsync(handle.fileno())
         os.replace(partial, path)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import asyncpg
 
-from activities.builder import CONTACTS_QUERY
+from activities.builder import contacts_query
 from bench.stack import postgres_only
 from bench.table import Row, middle
 from starter.localstack.postgres import ROLES
@@ -59,7 +59,7 @@ async def measure(*, contacts: int, rounds: int) -> Row:
         await seed_contacts(owner, tenant, contacts)
         await owner.execute("VACUUM ANALYZE contacts")
         await owner.close()
-        query = CONTACTS_QUERY.replace("$1", f"'{tenant}'")
+        query = contacts_query(tenant)
         ours, theirs, rss = [], [], []
         for _ in range(rounds):
             target = folder / "psql.csv"

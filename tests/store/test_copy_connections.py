@@ -93,3 +93,28 @@ async def test_a_kept_connection_whose_server_went_silent_is_left_for_a_new_one_
     assert after == whole
     assert CONNECT <= took < CONNECT + 3.0, took  # the question was asked, and bounded
     assert proxy.accepted == 1  # the new connection did not go to the silent server
+
+
+@pytest.mark.spec("LD1")
+async def test_a_build_asks_its_server_nothing_but_the_copy(db, tmp_path):
+    """COPY takes no parameters; asyncpg's copy_from_query, given the tenant's ID as one, asks the server to quote
+    it first: a round trip per build that writing a UUID's text in needs no server for."""
+    tenant_id, _ = await seed_tenant(db.admin, contacts=10)
+    await seed_tenant(db.admin, contacts=3)
+    asked: list[str] = []
+
+    class Watched(RawConnections):
+        @contextlib.asynccontextmanager
+        async def connection(self):  # type: ignore[override]
+            async with super().connection() as conn:
+                conn.add_query_logger(lambda record: asked.append(record.query))
+                yield conn
+
+    connections = Watched("COPY", db.url("app"), most=1)
+    try:
+        size, _ = await build_contacts_csv(connections, tenant_id, tmp_path / "build.csv")
+    finally:
+        await connections.close()
+    assert asked == [], asked
+    lines = (tmp_path / "build.csv").read_text().splitlines()
+    assert len(lines) == 1 + 10 and size > 0, "the header and the tenant's own contacts, none of the other's"
