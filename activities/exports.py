@@ -168,10 +168,9 @@ class ExportActivities(BuildActivities, DeliveryActivities):
 
     async def _evaluate(self, job_id: UUID) -> Evaluation:
         """Reads and decides; its only write is the conditional rejection, so a repeated wake-up is harmless."""
-        row = await self.store.read_job(job_id)
+        row, destination = await self.store.read_job_and_destination(job_id)
         if row is None or row.status is not Status.QUEUED:
             return Evaluation(row=row)
-        destination = await self.store.read_destination(row.tenant_id, row.destination_id)
         if destination is None:
             reason = "the destination does not exist for this tenant"
         elif not destination["enabled"]:

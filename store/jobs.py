@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID, uuid4
 
-from sqlalchemy import select
+from sqlalchemy import and_, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store import cancellation, errors
@@ -42,6 +42,10 @@ def check_confirmation(outcome: Status, confirmed_by: str | None) -> None:
     a write that would match nothing still fails loudly for a caller that forgot it."""
     if (outcome is Status.COMPLETED) != (confirmed_by is not None):
         raise ValueError("a Completed says what confirmed it, and only a Completed does")
+
+
+# read_job_and_destination's labels for the destination's columns, apart from the job's of the same names.
+_DESTINATION = "destination__"
 
 
 class JobStore(RoleStore):
@@ -77,6 +81,21 @@ class JobStore(RoleStore):
             query = query.where(export_jobs.c.tenant_id == tenant_id)
         row = await self.db.row(query)
         return JobRow.model_validate(row) if row is not None else None
+
+    async def read_job_and_destination(self, job_id: UUID) -> tuple[JobRow | None, dict[str, Any] | None]:
+        """The row and its destination (None where the tenant has none by that ID) in one round trip, as
+        read_job and read_destination would each answer them: what deciding an export's policy needs."""
+        query = select(*export_jobs.c, *(column.label(_DESTINATION + column.name) for column in destinations.c))
+        query = query.select_from(export_jobs.outerjoin(destinations, and_(
+            destinations.c.tenant_id == export_jobs.c.tenant_id, destinations.c.id == export_jobs.c.destination_id,
+        ))).where(export_jobs.c.id == job_id)
+        found = await self.db.row(query)
+        if found is None:
+            return None, None
+        destination = {key.removeprefix(_DESTINATION): value for key, value in found.items()
+                       if key.startswith(_DESTINATION)}
+        job = JobRow.model_validate({key: value for key, value in found.items() if not key.startswith(_DESTINATION)})
+        return job, destination if destination["id"] is not None else None
 
     async def read_jobs(self, job_ids: list[UUID]) -> dict[UUID, JobRow]:
         """Several rows in one query, by ID; missing ones are absent from the result."""
