@@ -16,7 +16,7 @@ import asyncio
 import builtins
 import uuid
 from datetime import timedelta
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -428,10 +428,11 @@ class ExportWorkflow:
         return await self._attempt(row, attempt_id, claim, row.attempt_count + 1, show_steps=False)
 
 
-class _OnWorker(TypedDict):
-    task_queue: str
-    schedule_to_start_timeout: timedelta
-    retry_policy: RetryPolicy
+if TYPE_CHECKING:  # as export_state's StepOptions: a class made again by each run's import
+    class _OnWorker(TypedDict):
+        task_queue: str
+        schedule_to_start_timeout: timedelta
+        retry_policy: RetryPolicy
 
 
 def _on_worker(built: BuildOutput, lease: timedelta) -> _OnWorker:
@@ -441,8 +442,8 @@ def _on_worker(built: BuildOutput, lease: timedelta) -> _OnWorker:
     could be a second upload, and recovery resolves a step that did not end. If that worker is gone, the row is left
     to recovery."""
     assert built.worker_task_queue is not None
-    return _OnWorker(task_queue=built.worker_task_queue, schedule_to_start_timeout=lease,
-                     retry_policy=RetryPolicy(maximum_attempts=1))
+    return {"task_queue": built.worker_task_queue, "schedule_to_start_timeout": lease,
+            "retry_policy": RetryPolicy(maximum_attempts=1)}
 
 
 def _size(size: float) -> str:
