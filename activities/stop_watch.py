@@ -54,6 +54,7 @@ class StopListener:
         self._away_since: float | None = None  # monotonic; while not listening
         self._said_unavailable = False  # one log line per absence, not one per try
         self._keeping: asyncio.Task[None] | None = None
+        self._reads_left: set[asyncio.Task[None]] = set()  # ended watches' reads, each within its own bound
 
     async def add(self, watch: StopWatch) -> None:
         """Hand `watch` its export's notifications; returns once the listener listens, or its first try failed (it
@@ -75,6 +76,11 @@ class StopListener:
             if not watches:
                 del self._watches[key]
 
+    def leave_to_end(self, read: asyncio.Task[None]) -> None:
+        """Keep an ended watch's read until it ends by itself (asyncio holds only weak references to tasks)."""
+        self._reads_left.add(read)
+        read.add_done_callback(self._reads_left.discard)
+
     async def close(self) -> None:
         """The worker shuts down."""
         keeping, self._keeping = self._keeping, None
@@ -82,6 +88,9 @@ class StopListener:
             keeping.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await keeping
+        for read in list(self._reads_left):  # the pool goes too: nothing is left to keep
+            read.cancel()
+        await asyncio.gather(*self._reads_left, return_exceptions=True)
         self._drop()
 
     def _every_watch(self) -> list[StopWatch]:
@@ -179,6 +188,7 @@ class StopWatch:
         self._again = False
         self._unread = False  # a read of the row is owed (it failed, or the listener listens again)
         self._stopped = False
+        self._ended = False  # its build ended: a read still under way is not acted on
 
     async def __aenter__(self) -> StopWatch:
         await self.listener.add(self)
@@ -188,8 +198,12 @@ class StopWatch:
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.listener.remove(self)
+        self._ended = True
+        # A read under way (a small build often ends before its first one is answered) ends by itself, within its
+        # bound, and is ignored. Cancelled mid-statement, the pool would take its connection for one that met a
+        # dead network and replace every connection it holds: about two new sessions per export in P1.
         if self._confirming is not None and not self._confirming.done():
-            self._confirming.cancel()
+            self.listener.leave_to_end(self._confirming)
 
     def owe_a_read(self) -> None:
         self._unread = True
@@ -208,15 +222,19 @@ class StopWatch:
             self._again = True
 
     async def _confirm(self) -> None:
-        while not self._stopped:
+        while not self._stopped and not self._ended:
             self._again = False
             try:
                 async with asyncio.timeout(self.read_timeout):
                     row = await self.store.read_job(self.job_id)
             except Exception as exc:
+                if self._ended:
+                    return
                 log.warning("could not confirm a stop request for %s, reading again in %g s: %s", self.job_id,
                             self.listener.check_every, errors.describe(exc))
                 self._unread = True
+                return
+            if self._ended:
                 return
             if (row is not None and row.status is Status.RUNNING and row.attempt_id == self.attempt_id
                     and row.stop_request_id is not None):
