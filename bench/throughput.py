@@ -70,6 +70,11 @@ async def exports_per_second(exports: ExportsClient, admin: asyncpg.Connection, 
         await asyncio.sleep(0.1)
 
 
+async def _sessions_started(admin: asyncpg.Connection) -> int:
+    """Sessions PostgreSQL has opened to the exports' database so far, by any role."""
+    return int(await admin.fetchval("SELECT sessions FROM pg_stat_database WHERE datname = current_database()"))
+
+
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -146,6 +151,7 @@ async def measure(*, exports: int, rounds: int) -> Row:
                                                  warm_up)
             await _baseline(client, "bench-noop", warm_up, "ShapedNoopWorkflow",
                             await shape_of(client, export_workflow_id(sample)))
+            sessions_before = await _sessions_started(stack.admin)
             for _ in range(rounds):
                 used = _process_cpu_seconds(worker)
                 async with _cpu_beside(server) as beside_ours:
@@ -164,6 +170,9 @@ async def measure(*, exports: int, rounds: int) -> Row:
                 extra.append(max(0.0, beside_ours[0] - beside_shaped[0]))
                 async with _busy_loops(extra[-1]):
                     loaded.append(await _baseline(client, "bench-noop", exports, "ShapedNoopWorkflow", shape))
+            # Read after the no-op rounds: each backend has reported its counts by then (they report at most once
+            # a second while busy).
+            new_sessions = (await _sessions_started(stack.admin) - sessions_before) / (exports * rounds)
         finally:
             await engine.dispose()
     # The goal is against the ceiling: a no-op workflow of the export's own shape, on the same server.
@@ -180,6 +189,8 @@ async def measure(*, exports: int, rounds: int) -> Row:
     # (database, SFTP, files, the worker), which no no-op does.
     row.notes.append(f"CPU per run: the export's worker {middle(worker_ms):.0f} ms, the no-op worker "
                      f"{middle(noop_ms):.0f} ms")
+    # A new session costs about 6 ms of CPU, client and server; a warm worker needs none for an export.
+    row.notes.append(f"new PostgreSQL sessions per export: {new_sessions:.2f} (the worker's and the starter's)")
     # The machine's pace drifts between rounds (the ceiling moved from 6.0 to 7.7/s across full runs on one 2-core
     # machine): each round's export rate against the ceiling measured right after it shows how far the ratio
     # above is the machine's drift.
