@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID, uuid4
 
-from sqlalchemy import and_, select
+from sqlalchemy import and_, bindparam, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store import cancellation, errors
@@ -46,6 +46,13 @@ def check_confirmation(outcome: Status, confirmed_by: str | None) -> None:
 
 # read_job_and_destination's labels for the destination's columns, apart from the job's of the same names.
 _DESTINATION = "destination__"
+# Built once: it is read at every policy evaluation, and making it (its 44 labelled columns, its cache key) cost
+# about 0.15 ms each time.
+_JOB_AND_DESTINATION = select(
+    *export_jobs.c, *(column.label(_DESTINATION + column.name) for column in destinations.c),
+).select_from(export_jobs.outerjoin(destinations, and_(
+    destinations.c.tenant_id == export_jobs.c.tenant_id, destinations.c.id == export_jobs.c.destination_id,
+))).where(export_jobs.c.id == bindparam("job_id"))
 
 
 class JobStore(RoleStore):
@@ -85,11 +92,7 @@ class JobStore(RoleStore):
     async def read_job_and_destination(self, job_id: UUID) -> tuple[JobRow | None, dict[str, Any] | None]:
         """The row and its destination (None where the tenant has none by that ID) in one round trip, as
         read_job and read_destination would each answer them: what deciding an export's policy needs."""
-        query = select(*export_jobs.c, *(column.label(_DESTINATION + column.name) for column in destinations.c))
-        query = query.select_from(export_jobs.outerjoin(destinations, and_(
-            destinations.c.tenant_id == export_jobs.c.tenant_id, destinations.c.id == export_jobs.c.destination_id,
-        ))).where(export_jobs.c.id == job_id)
-        found = await self.db.row(query)
+        found = await self.db.row(_JOB_AND_DESTINATION, job_id=job_id)
         if found is None:
             return None, None
         destination = {key.removeprefix(_DESTINATION): value for key, value in found.items()
