@@ -16,6 +16,7 @@ from temporalio import activity
 from activities import checkpoints, partner_delivery
 from activities.builder import remove_local_file
 from activities.contracts import AuthorizeInput, AuthorizeOutput, DeliverInput, DeliverOutput
+from activities.delivery_connections import DeliveryConnections
 from activities.destination import DestinationConfig, Replacement
 from activities.evidence import EvidenceLog
 from activities.export_base import ExportActivitiesBase, attempt_step
@@ -53,6 +54,15 @@ _SESSION_RETRY_SECONDS = 1.0
 
 
 class DeliveryActivities(ExportActivitiesBase):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Connections one delivery hands on to the next at the same partner (activities/delivery_connections.py).
+        self.delivery_connections = DeliveryConnections()
+
+    async def close(self) -> None:
+        await super().close()
+        await self.delivery_connections.close()
+
     @activity.defn
     @attempt_step
     async def authorize_delivery(self, request: AuthorizeInput) -> AuthorizeOutput:
@@ -301,6 +311,7 @@ class DeliveryActivities(ExportActivitiesBase):
                             expected_sha256=file.sha256_hex,
                             replacement=replacement,
                             pass_rename_fence=pass_rename_fence,
+                            connections=self.delivery_connections,
                         ))
                         if not await self._try_again(result, number, lease, record_evidence, job.id, attempt_id):
                             break

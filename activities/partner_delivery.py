@@ -23,6 +23,7 @@ from uuid import UUID
 import asyncssh
 
 from activities import outcomes
+from activities.delivery_connections import DeliveryConnections
 from activities.destination import DestinationConfig, Replacement
 from activities.outcomes import NOTHING_WRITTEN_YET, DeliveryResult, RemoteFile, Step, classify, describe
 from activities.partner_connection import connect, within
@@ -62,6 +63,7 @@ async def deliver(
     expected_sha256: str | None = None,
     replacement: Replacement | None = None,
     pass_rename_fence: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
+    connections: DeliveryConnections | None = None,
 ) -> DeliveryResult:
     """Upload `local_path` to `temp_dir/temp_name`, then rename it to `final_dir/final_name` (no overwrite).
 
@@ -73,6 +75,9 @@ async def deliver(
     `pass_rename_fence`, given the "step rename" evidence, is the last thing before the rename request: it raises
     unless the attempt may still rename (the activity's conditional write on the export's row), and the failure is
     then one before the rename was sent. Without it, that record is appended like any other (callers with no row).
+
+    `connections`, when given, are the worker's kept connections: the session opens on one where it may
+    (activities/delivery_connections.py). Without them, on a connection of its own.
 
     `chunk_size` is the size of one SFTP write; by default the partner's own limit (see `write_size`).
     Each SFTP request is bounded by `operation_timeout`; the fresh listing and the cleanup after a failure by
@@ -93,7 +98,7 @@ async def deliver(
     total = 0
     try:
         total = os.path.getsize(local_path)
-        async with connect(dest) as sftp:
+        async with connect(dest) if connections is None else connections.session(dest) as sftp:
             step = "baseline"
             occupied, overwrite = await _baseline(sftp, dest, final_path, final_name, replacement, record_evidence,
                                                   operation_timeout)

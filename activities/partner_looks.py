@@ -4,11 +4,12 @@ A look (the final directory, the final name listed: `preflight` in activities/pa
 connection of its own and close it at once: a whole SSH handshake for two small requests, costing about as much
 CPU at the partner as at the worker, and one of an export's two handshakes. Here the looks of one worker at one
 destination share a session while they overlap, and for LINGER_SECONDS after the last of them ends, so that builds
-starting one after another share it too. Deliveries never use these sessions: each opens its own (LD3 counts them).
+starting one after another share it too. Deliveries never use these sessions: a delivery's session is one of its
+own, on a connection that carries one delivery at a time (activities/delivery_connections.py; LD3 counts them).
 
 - A session takes new looks for MAX_AGE_SECONDS after it opened: what a look learns by connecting (the partner
-  holds the pinned host key, it accepts the credential) is never older than that. A delivery connects afresh and
-  is checked again on both.
+  holds the pinned host key, it accepts the credential) is never older than that. Deliveries keep their
+  connections under the same bounds.
 - Where the destination limits its partner's sessions (`max_sessions`), a session closes as soon as its last look
   ends: no idle connection waits at a partner that counts them.
 - A session is keyed by all that decides who connects to whom: host, port, user name, the pinned host key, and the
