@@ -19,6 +19,7 @@ from activities.partner_delivery import deliver
 from starter.localstack.partner import LocalPartner
 from tests.helpers.partner import Evidence, bounded, make_file
 from tests.helpers.support import eventually
+from tests.helpers.tcp_cut import TcpCutProxy
 
 CHUNK = 16 * 1024
 
@@ -183,3 +184,23 @@ async def test_shutting_down_closes_the_idle_connections(
     # A delivery that ends after the shutdown began keeps nothing open.
     result, _ = await send(partner, connections, files[1], "1")
     assert result.outcome == "Completed" and connections.idle == 0
+
+
+async def test_a_kept_connection_gone_silent_is_given_up_within_the_connect_bound(
+        partner: LocalPartner, kept: DeliveryConnections) -> None:
+    """Packets dropped on the idle connection, nothing closed: its session request goes unanswered, and after the
+    connect bound the delivery connects afresh (here once the network is back)."""
+    async with TcpCutProxy(partner.host, partner.port) as proxy:
+        dest = partner.destination(host="127.0.0.1", port=proxy.port)
+        async with kept.session(dest, connect_timeout=1.0) as sftp:
+            await bounded(sftp.stat(dest.final_dir))
+        assert kept.idle == 1
+        proxy.go_silent()
+        loop = asyncio.get_running_loop()
+        loop.call_later(1.5, proxy.heal)
+        started = loop.time()
+        async with kept.session(dest, connect_timeout=1.0) as sftp:
+            waited = loop.time() - started
+            await bounded(sftp.stat(dest.final_dir))
+        assert (proxy.accepted, kept.opened, kept.reused) == (2, 2, 0)
+        assert 1.0 <= waited < 5.0, f"the session came after {waited:.1f} s"
