@@ -90,7 +90,7 @@ class DeliveryConnections:
         for key in list(self._idle):
             for kept in self._idle.pop(key):
                 self._retire(kept)
-        if self._closing:
+        while self._closing:  # a delivery ending meanwhile closes its connection too
             await asyncio.gather(*self._closing, return_exceptions=True)
 
     async def _take(self, key: _Key, connect_timeout: float) -> tuple[_Kept | None, asyncssh.SFTPClient | None]:
