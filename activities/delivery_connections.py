@@ -31,12 +31,16 @@ from dataclasses import dataclass
 import asyncssh
 
 from activities.destination import DestinationConfig
-from activities.partner_connection import close_session, load_client_key, open_session
+from activities.partner_connection import (
+    ConnectionKey,
+    close_session,
+    connection_key,
+    load_client_key,
+    open_session,
+)
 from activities.partner_looks import LINGER_SECONDS, MAX_AGE_SECONDS
 
 log = logging.getLogger(__name__)
-
-_Key = tuple[str, int, str, str, bytes]
 
 
 @dataclass(eq=False)
@@ -56,7 +60,7 @@ class DeliveryConnections:
         self.max_age_seconds = max_age_seconds
         self.opened = 0  # connections opened since start
         self.reused = 0  # sessions opened on a kept connection since start
-        self._idle: dict[_Key, list[_Kept]] = {}
+        self._idle: dict[ConnectionKey, list[_Kept]] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._closed = False
 
@@ -70,7 +74,7 @@ class DeliveryConnections:
         """An SFTP session at `dest`, on a kept connection or a new one, as `partner_connection.connect` gives.
         Raises what opening a new connection raises."""
         client_key = load_client_key(dest.credential_ref)
-        key: _Key = (dest.host, dest.port, dest.username, dest.host_key.strip(), client_key.public_data)
+        key = connection_key(dest, client_key)
         kept, sftp = await self._take(key, connect_timeout)
         if kept is None:
             conn, sftp = await open_session(dest, connect_timeout=connect_timeout, client_key=client_key)
@@ -93,7 +97,8 @@ class DeliveryConnections:
         while self._closing:  # a delivery ending meanwhile closes its connection too
             await asyncio.gather(*self._closing, return_exceptions=True)
 
-    async def _take(self, key: _Key, connect_timeout: float) -> tuple[_Kept | None, asyncssh.SFTPClient | None]:
+    async def _take(self, key: ConnectionKey, connect_timeout: float,
+                    ) -> tuple[_Kept | None, asyncssh.SFTPClient | None]:
         """A kept connection with a new SFTP session on it, or (None, None) when none can give one."""
         idle = self._idle.get(key, [])
         while idle:
@@ -119,7 +124,7 @@ class DeliveryConnections:
             return kept, sftp
         return None, None
 
-    async def _give_back(self, key: _Key, kept: _Kept, sftp: asyncssh.SFTPClient) -> None:
+    async def _give_back(self, key: ConnectionKey, kept: _Kept, sftp: asyncssh.SFTPClient) -> None:
         """The delivery returned: its session ends, and its connection waits for the next one if it may."""
         try:
             sftp.exit()
@@ -143,7 +148,7 @@ class DeliveryConnections:
         age = asyncio.get_running_loop().time() - kept.opened_at
         return not kept.conn.is_closed() and age < self.max_age_seconds
 
-    def _linger_ended(self, key: _Key, kept: _Kept) -> None:
+    def _linger_ended(self, key: ConnectionKey, kept: _Kept) -> None:
         kept.idle_close = None
         idle = self._idle.get(key)
         if idle is not None and kept in idle:

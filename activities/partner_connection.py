@@ -68,6 +68,16 @@ async def server_host_key(dest: DestinationConfig, algorithms: Sequence[str] | s
         dest.host, dest.port, server_host_key_algs=algorithms, config=[]), timeout)
 
 
+# Who connects to whom: a connection opened for one destination may serve another only if all of these match.
+ConnectionKey = tuple[str, int, str, str, bytes]
+
+
+def connection_key(dest: DestinationConfig, client_key: asyncssh.SSHKey) -> ConnectionKey:
+    """The host, port, user name, pinned host key and client key (`client_key`, the one `dest.credential_ref`
+    names) that an SSH connection to `dest` was opened with."""
+    return dest.host, dest.port, dest.username, dest.host_key.strip(), client_key.public_data
+
+
 # Fresh handshakes allowing only the pinned key's type that must all be cut or refused before a server whose key of
 # another type answered is taken to lack the pinned type.
 _PINNED_TYPE_TRIES = 2

@@ -29,7 +29,13 @@ from typing import TypeVar
 import asyncssh
 
 from activities.destination import DestinationConfig
-from activities.partner_connection import close_session, load_client_key, open_session
+from activities.partner_connection import (
+    ConnectionKey,
+    close_session,
+    connection_key,
+    load_client_key,
+    open_session,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +47,6 @@ MAX_AGE_SECONDS = 5.0
 
 # What a request on a session that was cut raises (asyncssh's ConnectionLost is a DisconnectError).
 _CUT = (asyncssh.DisconnectError, asyncssh.SFTPConnectionLost, asyncssh.SFTPNoConnection, ConnectionError)
-
-_Key = tuple[str, int, str, str, bytes]
 
 
 @dataclass(eq=False)
@@ -70,8 +74,8 @@ class PartnerLooks:
         self.linger_seconds = linger_seconds
         self.max_age_seconds = max_age_seconds
         self.opened = 0  # sessions opened since start
-        self._sessions: dict[_Key, _Session] = {}
-        self._opening: dict[_Key, _Opening] = {}
+        self._sessions: dict[ConnectionKey, _Session] = {}
+        self._opening: dict[ConnectionKey, _Opening] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
     async def look(self, dest: DestinationConfig, look: Callable[[asyncssh.SFTPClient], Awaitable[T]], *,
@@ -79,7 +83,7 @@ class PartnerLooks:
         """`look`'s answer on a session at `dest`. Raises what opening a new session raises (`open_session`), and
         what `look` raises on a new one."""
         client_key = load_client_key(dest.credential_ref)
-        key: _Key = (dest.host, dest.port, dest.username, dest.host_key.strip(), client_key.public_data)
+        key = connection_key(dest, client_key)
         session, taken_over = await self._take(key, dest, client_key, connect_timeout)
         try:
             return await look(session.sftp)
@@ -112,7 +116,7 @@ class PartnerLooks:
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
 
-    async def _take(self, key: _Key, dest: DestinationConfig, client_key: asyncssh.SSHKey,
+    async def _take(self, key: ConnectionKey, dest: DestinationConfig, client_key: asyncssh.SSHKey,
                     connect_timeout: float) -> tuple[_Session, bool]:
         """A session for one more look, and whether earlier looks used it."""
         session = self._sessions.get(key)
@@ -126,7 +130,7 @@ class PartnerLooks:
             self._retire(key, session)
         return await self._take_new(key, dest, client_key, connect_timeout), False
 
-    async def _take_new(self, key: _Key, dest: DestinationConfig, client_key: asyncssh.SSHKey,
+    async def _take_new(self, key: ConnectionKey, dest: DestinationConfig, client_key: asyncssh.SSHKey,
                         connect_timeout: float) -> _Session:
         """A session no look has used yet: the one being opened for `key`, else a new one. Concurrent first looks
         wait for the same handshake."""
@@ -154,7 +158,7 @@ class PartnerLooks:
         self.opened += 1
         return _Session(dest, conn, sftp, asyncio.get_running_loop().time(), connect_timeout)
 
-    def _opened(self, key: _Key, opening: _Opening) -> None:
+    def _opened(self, key: ConnectionKey, opening: _Opening) -> None:
         if self._opening.get(key) is opening:
             del self._opening[key]
         if opening.task.cancelled() or opening.task.exception() is not None:
@@ -164,13 +168,13 @@ class PartnerLooks:
         if opening.waiting == 0:  # every look that waited for it was cancelled
             self._release(key, session, session.dest, taken=False)
 
-    def _usable(self, key: _Key, session: _Session) -> bool:
+    def _usable(self, key: ConnectionKey, session: _Session) -> bool:
         """Whether the session takes new looks: the one mapped for its key (a retired one no longer is), open, and
         young enough."""
         age = asyncio.get_running_loop().time() - session.opened_at
         return self._sessions.get(key) is session and not session.conn.is_closed() and age < self.max_age_seconds
 
-    def _release(self, key: _Key, session: _Session, dest: DestinationConfig, *, taken: bool = True) -> None:
+    def _release(self, key: ConnectionKey, session: _Session, dest: DestinationConfig, *, taken: bool = True) -> None:
         if taken:
             session.looks -= 1
         if session.looks > 0:
@@ -181,7 +185,7 @@ class PartnerLooks:
             session.idle_close = asyncio.get_running_loop().call_later(self.linger_seconds, self._retire, key,
                                                                        session)
 
-    def _retire(self, key: _Key, session: _Session) -> None:
+    def _retire(self, key: ConnectionKey, session: _Session) -> None:
         """No new looks on the session; it closes once its last look ends."""
         if self._sessions.get(key) is session:
             del self._sessions[key]
