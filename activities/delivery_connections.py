@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import asyncssh
 
 from activities.destination import DestinationConfig
+from activities.outcomes import describe
 from activities.partner_connection import (
     ConnectionKey,
     close_session,
@@ -86,7 +87,7 @@ class DeliveryConnections:
         except BaseException:
             await close_session(dest, kept.conn, sftp, timeout=connect_timeout)
             raise
-        await self._give_back(key, kept, sftp)
+        await self._give_back(key, kept, sftp, dest)
 
     async def close(self) -> None:
         """Ends every idle connection, each within its connect bound; a delivery under way closes its own."""
@@ -114,7 +115,7 @@ class DeliveryConnections:
                     sftp = await kept.conn.start_sftp_client()
             except (asyncssh.Error, OSError) as exc:
                 log.info("a kept connection to %s:%d could not open a session (%s); connecting afresh",
-                         kept.dest.host, kept.dest.port, exc or type(exc).__name__)
+                         kept.dest.host, kept.dest.port, describe(exc))
                 self._retire(kept)
                 continue
             except BaseException:
@@ -124,8 +125,10 @@ class DeliveryConnections:
             return kept, sftp
         return None, None
 
-    async def _give_back(self, key: ConnectionKey, kept: _Kept, sftp: asyncssh.SFTPClient) -> None:
-        """The delivery returned: its session ends, and its connection waits for the next one if it may."""
+    async def _give_back(self, key: ConnectionKey, kept: _Kept, sftp: asyncssh.SFTPClient,
+                         dest: DestinationConfig) -> None:
+        """The delivery to `dest` returned: its session ends, and its connection waits for the next one if it may
+        (by `dest`'s contract as the delivery read it, not as it was when the connection opened)."""
         try:
             sftp.exit()
             async with asyncio.timeout(kept.connect_timeout):
@@ -137,7 +140,7 @@ class DeliveryConnections:
         except BaseException:
             self._retire(kept)
             raise
-        if self._closed or kept.dest.contract.max_sessions is not None or self.linger_seconds <= 0 \
+        if self._closed or dest.contract.max_sessions is not None or self.linger_seconds <= 0 \
                 or not self._usable(kept):
             self._retire(kept)
             return

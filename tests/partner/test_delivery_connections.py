@@ -204,3 +204,15 @@ async def test_a_kept_connection_gone_silent_is_given_up_within_the_connect_boun
             await bounded(sftp.stat(dest.final_dir))
         assert (proxy.accepted, kept.opened, kept.reused) == (2, 2, 0)
         assert 1.0 <= waited < 5.0, f"the session came after {waited:.1f} s"
+
+
+async def test_a_limit_on_sessions_set_while_a_connection_waited_closes_it_after_its_delivery(
+        partner: LocalPartner, kept: DeliveryConnections, files: list[tuple[Path, bytes]]) -> None:
+    result, _ = await send(partner, kept, files[0], "0")
+    assert result.outcome == "Completed" and kept.idle == 1
+    # The operator sets max_sessions: the next delivery still rides the connection it finds, counted as its
+    # session, and closes it at its end by the contract it read.
+    result, _ = await send(partner, kept, files[1], "1", contract=PartnerContract(max_sessions=1))
+    assert result.outcome == "Completed" and (kept.reused, kept.idle) == (1, 0)
+    await eventually(lambda: asyncio.sleep(0, partner.open_connections), lambda n: n == 0, timeout=10,
+                     what="the connection closed after the limited delivery")
