@@ -8,6 +8,7 @@ import uuid
 import asyncssh
 import pytest
 
+from activities.delivery_connections import DeliveryConnections
 from activities.partner_connection import HostKeyMismatch, connect
 from activities.partner_delivery import deliver
 from activities.sftp_check_file import check_file_sha256
@@ -75,6 +76,26 @@ async def test_openssh__a_delivery_writes_as_much_as_sftp_server_announces(opens
                                    record_evidence=Evidence(), on_progress=lambda sent, _: progress.append(sent)))
     assert result.outcome == "Completed" and (openssh.root / "outbound" / "large.csv").read_bytes() == data
     assert progress == [4 * announced, 8 * announced, len(data)]
+
+
+async def test_openssh__deliveries_one_after_another_open_their_sessions_on_one_connection(
+        openssh: OpenSshPartner, tmp_path):
+    """sshd starts a new sftp-server for each session on a connection: a delivery on a connection that the one
+    before it handed on (activities/delivery_connections.py) gets a subsystem of its own and delivers."""
+    kept = DeliveryConnections(linger_seconds=30.0, max_age_seconds=60.0)
+    try:
+        for n in range(3):
+            path = tmp_path / f"f{n}.csv"
+            data = make_file(path, 70_000 + n)
+            evidence = Evidence()
+            result = await bounded(deliver(openssh.destination(), str(path), f"f{n}.csv", f"f{n}.part",
+                                           record_evidence=evidence, connections=kept))
+            assert result.outcome == "Completed", result.summary
+            assert evidence.steps == ["baseline", "rename", "receipt"]
+            assert (openssh.root / "outbound" / f"f{n}.csv").read_bytes() == data
+        assert (kept.opened, kept.reused) == (1, 2)
+    finally:
+        await bounded(kept.close())
 
 
 @pytest.mark.spec("RD1")
