@@ -47,12 +47,17 @@ def check_confirmation(outcome: Status, confirmed_by: str | None) -> None:
 # read_job_and_destination's labels for the destination's columns, apart from the job's of the same names.
 _DESTINATION = "destination__"
 # Built once: it is read at every policy evaluation, and making it (its 44 labelled columns, its cache key) cost
-# about 0.15 ms each time.
+# about 0.15 ms each time. So are the row's and the destination's own reads, each made several times per export
+# (making the query cost about 0.1 ms a time).
 _JOB_AND_DESTINATION = select(
     *export_jobs.c, *(column.label(_DESTINATION + column.name) for column in destinations.c),
 ).select_from(export_jobs.outerjoin(destinations, and_(
     destinations.c.tenant_id == export_jobs.c.tenant_id, destinations.c.id == export_jobs.c.destination_id,
 ))).where(export_jobs.c.id == bindparam("job_id"))
+_JOB = select(export_jobs).where(export_jobs.c.id == bindparam("job_id"))
+_TENANTS_JOB = _JOB.where(export_jobs.c.tenant_id == bindparam("tenant_id"))
+_DESTINATION_ROW = select(destinations).where(
+    destinations.c.tenant_id == bindparam("tenant_id"), destinations.c.id == bindparam("destination_id"))
 
 
 class JobStore(RoleStore):
@@ -83,10 +88,10 @@ class JobStore(RoleStore):
     # --- reads -------------------------------------------------------------------------------------------------
 
     async def read_job(self, job_id: UUID, *, tenant_id: UUID | None = None) -> JobRow | None:
-        query = select(export_jobs).where(export_jobs.c.id == job_id)
-        if tenant_id is not None:
-            query = query.where(export_jobs.c.tenant_id == tenant_id)
-        row = await self.db.row(query)
+        if tenant_id is None:
+            row = await self.db.row(_JOB, job_id=job_id)
+        else:
+            row = await self.db.row(_TENANTS_JOB, job_id=job_id, tenant_id=tenant_id)
         return JobRow.model_validate(row) if row is not None else None
 
     async def read_job_and_destination(self, job_id: UUID) -> tuple[JobRow | None, dict[str, Any] | None]:
@@ -108,10 +113,7 @@ class JobStore(RoleStore):
         return {row["id"]: JobRow.model_validate(row) for row in rows}
 
     async def read_destination(self, tenant_id: UUID, destination_id: UUID) -> dict[str, Any] | None:
-        query = select(destinations).where(
-            destinations.c.tenant_id == tenant_id, destinations.c.id == destination_id
-        )
-        return await self.db.row(query)
+        return await self.db.row(_DESTINATION_ROW, tenant_id=tenant_id, destination_id=destination_id)
 
     async def job_ids_between(self, low: UUID, high: UUID, *, limit: int) -> list[UUID]:
         """Export IDs in [low, high], at most `limit` (an operator's ID prefix, as a range on the primary key)."""
