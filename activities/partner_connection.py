@@ -10,6 +10,7 @@ import os
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import asyncssh
 from asyncssh.encryption import get_default_encryption_algs
@@ -48,14 +49,17 @@ def load_client_key(credential_ref: str) -> asyncssh.SSHKey:
     what was read differs from the last time. Errors never include the key text."""
     scheme, _, rest = credential_ref.partition(":")
     if scheme == "file" and rest:
-        with open(rest, "rb") as file:  # the file as it is now: a key it no longer gives is never used
+        # The file as it is now (`~` expanded, as asyncssh's own reading does): a key it no longer gives is never used.
+        with open(Path(rest).expanduser(), "rb") as file:
             stat = os.fstat(file.fileno())
             source: tuple[object, ...] = ("file", rest, stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns,
                                           stat.st_ctime_ns)
             if (key := _parsed(source)) is not None:
                 return key
             data = file.read()
-        return _keep(source, asyncssh.import_private_key(data))
+        key = asyncssh.import_private_key(data)
+        key.set_filename(rest)  # as asyncssh.read_private_key names it
+        return _keep(source, key)
     if scheme == "env" and rest:
         text = os.environ.get(rest)
         if not text:

@@ -103,3 +103,11 @@ def test_a_key_file_that_can_no_longer_be_read_is_an_error_even_after_it_was_par
     path.unlink()
     with pytest.raises(OSError):
         load_client_key(f"file:{path}")
+
+
+def test_a_key_file_under_the_home_directory_is_found_by_tilde(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    """`file:~/...` names a file under the worker's home directory, as asyncssh's own reading of a path does."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    key = rsa_key(tmp_path / "id_rsa")
+    assert load_client_key("file:~/id_rsa").public_data == key.public_data
