@@ -101,9 +101,10 @@ class DeliveryConnections:
     async def _take(self, key: ConnectionKey, connect_timeout: float,
                     ) -> tuple[_Kept | None, asyncssh.SFTPClient | None]:
         """A kept connection with a new SFTP session on it, or (None, None) when none can give one."""
-        idle = self._idle.get(key, [])
-        while idle:
+        while idle := self._idle.get(key):  # read again after each wait: others give connections back meanwhile
             kept = idle.pop()  # the last one given back: the others may linger out unused
+            if not idle:
+                del self._idle[key]
             if kept.idle_close is not None:
                 kept.idle_close.cancel()
                 kept.idle_close = None
