@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from uuid import UUID
 
@@ -258,11 +258,17 @@ class DestinationShares:
         self._claiming: dict[Key, UUID] = {}
         self._claimed: dict[Key, UUID] = {}
         self._freed = Broadcast()
+        # Attempts in flight by destination, counted once after each change (the pools report theirs to
+        # `changed`, WorkerCapacity sees to it): every waiting claim asks after each, and a hundred claims parked
+        # behind one destination each counted every attempt, at every slot's change.
+        self._counts: Counter[UUID] | None = None
 
     def in_flight(self, destination: UUID) -> int:
-        for key in [key for key in self._claimed if not any(pool.holds(key) for pool in self._pools)]:
-            del self._claimed[key]
-        return sum(1 for held in (*self._claimed.values(), *self._claiming.values()) if held == destination)
+        if self._counts is None:
+            for key in [key for key in self._claimed if not any(pool.holds(key) for pool in self._pools)]:
+                del self._claimed[key]
+            self._counts = Counter((*self._claimed.values(), *self._claiming.values()))
+        return self._counts[destination]
 
     def reserve(self, destination: UUID, key: Key) -> bool:
         """A place for the attempt's claim, if its destination is under its share."""
@@ -271,6 +277,7 @@ class DestinationShares:
         if self.in_flight(destination) >= self.limit:
             return False
         self._claiming[key] = destination
+        self._counts = None
         return True
 
     async def wait_for_room(self, destination: UUID, key: Key, within: float) -> bool:
@@ -293,6 +300,7 @@ class DestinationShares:
 
     def changed(self) -> None:
         """A slot or a place was freed, perhaps: every waiter looks again."""
+        self._counts = None
         self._freed.notify()
 
 

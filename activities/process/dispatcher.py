@@ -11,7 +11,8 @@ waves of up to `concurrency` side by side outside any transaction (an export's l
 rows go out in their order), and marks each wave's published rows with one conditional update, all through
 store/outbox.py, whose session advisory lock keeps two dispatchers from publishing the same backlog at once. A wave
 with a failed publication ends the pass once its other rows are marked: Temporal is away, and the next poll tries
-again.
+again. A pass that hears of new rows while it publishes gives way after GIVE_WAY_SECONDS, so that the next read
+takes them in their tenant's turn (the batch's order), rather than after the rest of a batch another tenant filled.
 
 The lock's session is bounded (store/outbox.py says how): a dispatcher that stops answering while it holds the lock
 (paused, or cut off) loses it after `Outbox.lock_idle_seconds` of silence, and another dispatcher takes over. So
@@ -45,6 +46,10 @@ from workflows.identity import export_workflow_id, tenant_priority
 log = logging.getLogger("activities.dispatcher")
 
 NOTIFY_CHANNEL = "exports_outbox"
+# How long a pass publishes its batch before it gives way to rows inserted since its read (LD5): another tenant's
+# new row then waits behind this much of a backlog at most, not a whole batch, and a backlog still takes one read
+# per this many seconds at most while rows keep coming.
+GIVE_WAY_SECONDS = 0.2
 
 
 class OutboxDispatcher:
@@ -96,8 +101,13 @@ class OutboxDispatcher:
                 await self._lock_taken()
                 return 0
             self._lock_free()
+            started = time.monotonic()
             rows = await outbox.pending(self.batch)
             while rows:
+                if self._nudged.is_set() and time.monotonic() - started >= GIVE_WAY_SECONDS:
+                    # New rows since the read: the next pass reads again, each tenant in its turn, rather than
+                    # leave them behind the rest of this batch.
+                    break
                 wave, rows = next_wave(rows, self.concurrency)
                 await outbox.still_held()
                 done: list[UUID] = []
