@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import BinaryIO
@@ -20,6 +21,7 @@ from uuid import UUID
 
 import asyncpg
 
+from activities.patience import run_to_end
 from store import errors
 from store.db import Bounds, RawConnections
 
@@ -116,8 +118,7 @@ async def build_contacts_csv(
             with open(partial, "wb") as handle:
                 sink = _HashingSink(handle, on_progress, throttle_bytes_per_second)
                 await conn.copy_from_query(contacts_query(tenant_id), output=sink, format="csv", header=True)
-                handle.flush()
-                os.fsync(handle.fileno())
+                await _synced(handle)
         os.replace(partial, path)
         finished = True
         return sink.size, sink.sha256.hexdigest()
@@ -128,6 +129,32 @@ async def build_contacts_csv(
     finally:
         if not finished:
             remove_local_file(partial)
+
+
+# The builds' syncs have threads of their own: a stalled disk holds these, never the loop's default executor, which
+# also resolves host names for every new PostgreSQL and SFTP connection.
+_SYNCS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="build-sync")
+
+
+async def _synced(handle: BinaryIO) -> None:
+    """Flush and fsync the file in a thread: on a disk that stalls (a network volume, a failing device) a sync on
+    the event loop stood the whole worker still, its heartbeats, renewals and stops with it. A cancellation (a stop)
+    waits for the sync to return, so that the file is not closed under it, and is then raised."""
+    cancelled = False
+
+    def note_cancel() -> None:
+        nonlocal cancelled
+        cancelled = True
+
+    syncing = asyncio.get_running_loop().run_in_executor(_SYNCS, _flush_and_fsync, handle)
+    await run_to_end(syncing, on_cancel=note_cancel)
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+def _flush_and_fsync(handle: BinaryIO) -> None:
+    handle.flush()
+    os.fsync(handle.fileno())
 
 
 def partial_path(path: Path) -> Path:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from store import errors
@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-async def run_to_end(work: Coroutine[Any, Any, T], on_cancel: Callable[[], None] = lambda: None) -> T:
+async def run_to_end(work: Awaitable[T], on_cancel: Callable[[], None] = lambda: None) -> T:
     """Await `work` to its end however often the caller is cancelled meanwhile: for steps whose effect must be
     recorded once begun (an upload and its evidence, a stop's terminal write)."""
     task = asyncio.ensure_future(work)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 
 import pytest
 
@@ -118,3 +119,61 @@ async def test_a_build_asks_its_server_nothing_but_the_copy(db, tmp_path):
     assert asked == [], asked
     lines = (tmp_path / "build.csv").read_text().splitlines()
     assert len(lines) == 1 + 10 and size > 0, "the header and the tenant's own contacts, none of the other's"
+
+
+async def test_a_build_whose_disk_stalls_at_its_sync_leaves_the_event_loop_running(db, proxy, tmp_path, monkeypatch):
+    """A build syncs its file before it renames it. The sync used to run on the worker's event loop: on a disk that
+    stalls (a network volume, a failing device) the whole worker stood still with it, every heartbeat, renewal
+    and stop unheard. The sync now runs in a thread; a stop meanwhile waits for it (the file stays open until it
+    returns), then ends the build with nothing left behind."""
+    import threading
+
+    import activities.builder as builder
+
+    tenant_id, _ = await seed_tenant(db.admin, contacts=CONTACTS)
+    connections = copy_connections(proxy.url("exports_app", db.name), most=1)
+    stalled, released = threading.Event(), threading.Event()
+    synced: list[BaseException | None] = []
+    real_fsync = os.fsync
+
+    def stalling_fsync(fd: int) -> None:
+        stalled.set()
+        # Released by the test once it saw the loop run; else, after 5 s, by this fallback (the loop was stuck).
+        released.wait(5.0)
+        try:
+            real_fsync(fd)
+            synced.append(None)
+        except OSError as exc:  # the file closed under the sync
+            synced.append(exc)
+
+    monkeypatch.setattr(builder.os, "fsync", stalling_fsync)
+    try:
+        for stop in (False, True):
+            stalled.clear()
+            released.clear()
+            path = tmp_path / f"stall-{stop}.csv"
+            build = asyncio.create_task(build_contacts_csv(connections, tenant_id, path))
+            ticks = 0
+            while not stalled.is_set():
+                await asyncio.sleep(0.01)
+            for _ in range(10):  # the loop goes on while the sync waits
+                await asyncio.sleep(0.01)
+                ticks += 1 if stalled.is_set() and not released.is_set() else 0
+            assert ticks == 10 and not build.done(), "the event loop stood still during the sync"
+            if stop:
+                build.cancel()
+                await asyncio.sleep(0.1)
+                assert not build.done(), "the stop did not wait for the sync"
+            released.set()
+            if stop:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait_for(build, BOUND)
+                assert build.cancelled()
+                assert not path.exists() and not partial_path(path).exists()
+            else:
+                size, _ = await asyncio.wait_for(build, BOUND)
+                assert path.stat().st_size == size > 0
+        assert synced == [None, None], synced
+    finally:
+        released.set()
+        await connections.close()
