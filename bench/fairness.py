@@ -4,8 +4,13 @@ exports alone, measured in the same run on one worker process with default setti
 - S2: small exports to a healthy partner while a backlog of large exports to a slow partner (a link of about
   50 KB/s, the partner's writes paced by its hook) is queued ahead of them: their p95, from creation to
   Completed, against their p95 with no backlog. None may end OutcomeUnknown.
+  Twenty more once the backlog's uploads are under way say what the slow partner alone costs the others.
 - S3: one tenant's single export while another tenant's burst is queued: its time to Completed against the same
-  export alone.
+  export alone, the median of three each way, one at a time.
+
+"Alone" is measured on a worker that has run an export already: the first export after a worker starts also
+waits for it to start. Beside each, no-op workflows of the export's shape on a worker and queues of their own
+(bench/noop_worker.py) say what the server gave any workflow meanwhile.
 
 The backlog is never waited out: once the measured exports are Completed, the stack is stopped.
 """
@@ -33,7 +38,7 @@ from starter.localstack.partner import LocalPartner
 from starter.localstack.seed import seed_contacts, seed_destination
 from store.db import make_engine
 from store.jobs import JobStore
-from store.settings import Settings, default_destination_share
+from store.settings import Settings
 from workflows.identity import export_workflow_id
 
 # The upload's SFTP write size at this partner: asyncssh's server announces more than the client takes.
@@ -166,8 +171,7 @@ async def measure_partner(*, small: int, slow: int, slow_megabytes: float) -> Ro
             noops_behind = await noops.seconds(small)
             # Once the backlog has started (its uploads in flight, the rest of its claims waiting for its
             # partner's share), the same again: what the slow partner alone costs the others.
-            await _uploading(stack, backlog, min(slow, default_destination_share(_DEFAULT.max_builds,
-                                                                                 _DEFAULT.max_uploads)))
+            await _uploading(stack, backlog, min(slow, _DEFAULT.destination_share))
             await asyncio.sleep(_PAUSE)
             settled = await _completed_within(stack.admin, await _create(
                 exports, stack.tenant, stack.destination, small, created), created, 600)
