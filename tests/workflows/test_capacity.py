@@ -194,9 +194,14 @@ async def test_a_tenants_burst_does_not_hold_back_another_tenants_export(db, sto
 
 class _PacedDispatcher(OutboxDispatcher):
     """Each publication held a moment before Temporal is asked, as under a loaded server, so that a pass through
-    a backlog takes long enough to be seen."""
+    a backlog takes long enough to be seen; `publishing` is set as the first begins."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.publishing = asyncio.Event()
 
     async def publish(self, message_id: uuid.UUID, job_id: uuid.UUID, tenant_id: uuid.UUID | None = None) -> None:
+        self.publishing.set()
         await asyncio.sleep(PUBLISH_PACE)
         await super().publish(message_id, job_id, tenant_id)
 
@@ -219,9 +224,8 @@ async def test_a_tenants_row_is_published_amid_another_tenants_backlog_not_after
     stop = asyncio.Event()
     running = asyncio.create_task(dispatcher.run(stop))
     try:
-        # Once the pass that read the backlog has published its first wave, B's row comes.
-        await eventually(lambda: _published(db, backlog), lambda n: n >= 1, timeout=30, interval=0.01,
-                         what="the backlog's first wave published")
+        # While the pass that read the backlog publishes its first wave, B's row comes.
+        await asyncio.wait_for(dispatcher.publishing.wait(), 30)
         single = await create_job(store, tenant_b, destination_b)
         await eventually(lambda: _published(db, [*backlog, single]), lambda n: n == len(backlog) + 1, timeout=60,
                          interval=0.05, what="every row published")
