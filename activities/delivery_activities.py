@@ -25,6 +25,7 @@ from activities.outcomes import DeliveryResult
 from activities.patience import retry_patiently, run_to_end
 from activities.process import metrics
 from store import errors
+from store.jobs import PartnerSession
 from store.models import AuthorizationResult, BuiltFile, FailureCode, JobRow, Status
 
 log = logging.getLogger(__name__)
@@ -166,38 +167,64 @@ class DeliveryActivities(ExportActivitiesBase):
         return "shutdown" if shutdown.done() and not shutdown.cancelled() else "lease"
 
     async def _partner_session(self, job: JobRow, attempt_id: UUID, details: dict[str, Any]) -> None:
-        """A session at the destination's partner, where its contract limits them (LD3): taken with one
-        statement, asked again every second while all are held (the lease kept, the wait in the heartbeat
-        details), and through an outage of the database as long as the lease outlives it (the wait ends once the
-        lease is lost or lapsing): giving up sooner lost an attempt its keeper still held (a failover)."""
+        """A session at the destination's partner, where its contract limits them (LD3), the limit read first."""
         destination = await retry_patiently(
             lambda: self.store.read_destination(job.tenant_id, job.destination_id), retryable=errors.is_transient,
             patience=self.settings.lease_seconds, first_delay=0.5, max_delay=_SESSION_RETRY_SECONDS,
             what=f"cutoff 2 of {job.id} reads its destination")
-        limit = None if destination is None else destination.get("max_sessions")
+        await self._session_under(None if destination is None else destination.get("max_sessions"), job, attempt_id,
+                                  details)
+
+    async def _session_under(self, limit: int | None, job: JobRow, attempt_id: UUID, details: dict[str, Any]) -> None:
+        """A session at the partner under the contract's `limit` (None: none): taken with one statement, asked
+        again every second while all are held (the lease kept, the wait in the heartbeat details), and through an
+        outage of the database as long as the lease outlives it (the wait ends once the lease is lost or lapsing):
+        giving up sooner lost an attempt its keeper still held (a failover). Each answer says the limit as it is
+        then, so a limit cleared or raised meanwhile ends the wait."""
         if limit is None:
             return
         waited = False
         try:
             while True:
                 try:
-                    slot = await self.store.take_partner_session(job.destination_id, job.id, attempt_id)
+                    answer = await self.store.take_partner_session(job.destination_id, job.id, attempt_id)
                 except Exception as exc:
                     if not errors.is_transient(exc):
                         raise
-                    slot = None
-                if slot is not None:
+                    answer = PartnerSession(limit=limit, slot=None)
+                if answer.slot is not None:
                     self.partner_sessions.add((job.id, attempt_id))
+                if answer.slot is not None or answer.limit is None:
                     return
                 if not waited:
                     waited = True
                     log.info("export %s attempt %s waits for a session at its partner (%d at once)", job.id,
-                             attempt_id, limit)
+                             attempt_id, answer.limit)
                     metrics.slot_wait("partner_session")
-                    details["waiting"] = f"for a session at the partner ({limit} at once)"
+                details["waiting"] = f"for a session at the partner ({answer.limit} at once)"
                 await asyncio.sleep(_SESSION_RETRY_SECONDS)
         finally:
             details.pop("waiting", None)
+
+    async def _upload_capacity(self, limit: int | None, job: JobRow, attempt_id: UUID,
+                               details: dict[str, Any]) -> None:
+        """What an upload needs before it connects: a session at its partner under the contract's limit and an
+        upload slot here, in cutoff 2's order. Both held since cutoff 2, unless this step came after its lease
+        keeper had given up waiting for it, and both with it: then taken again, waited for as cutoff 2 waits."""
+        await self._session_under(limit, job, attempt_id, details)
+        await self._slot(self.capacity.uploads, job.id, attempt_id, details)
+
+    async def _keep_partner_session(self, key: tuple[UUID, UUID]) -> None:
+        """While the upload runs, its partner session stays its own whatever its row says (recovery may take the
+        attempt back meanwhile: the upload goes on): renewed a lease ahead at each renewal interval. A renewal lost
+        to an outage is tried at the next; the hold lapses a lease after the last that took."""
+        while True:
+            try:
+                await self.store.keep_partner_session(*key)
+            except Exception as exc:  # noqa: BLE001 - the next renewal tries again
+                log.info("export %s attempt %s: its partner session not renewed this time: %s", *key,
+                         errors.describe(exc))
+            await asyncio.sleep(self.settings.renew_every_seconds)
 
     async def _stopped_waiting(self, job_id: UUID, attempt_id: UUID, file: BuiltFile, why: str,
                                lease: LeaseKeeper) -> AuthorizationResult:
@@ -273,7 +300,11 @@ class DeliveryActivities(ExportActivitiesBase):
                 raise partner_delivery.RenameFenceRefused(
                     f"the rename fence refused attempt {attempt_id}: recovery took it back")
 
-        lease = self._keeper(job.id, attempt_id, file.holder)
+        key = (job.id, attempt_id)
+        self.uploading.add(key)
+        gone = asyncio.Event()
+        lease = self._keeper(job.id, attempt_id, file.holder, gone.set, on_lapsing=gone.set)
+        keeping: asyncio.Task[None] | None = None
         try:
             async with self._heartbeating(lambda: dict(progress)):
                 await self.checkpoints.reached(checkpoints.BEFORE_UPLOAD, job.id)
@@ -298,6 +329,21 @@ class DeliveryActivities(ExportActivitiesBase):
                         outcome="Failed", failure_reason="NotDelivered", summary="destination vanished before upload"
                     )
                 else:
+                    limit = destination.get("max_sessions")
+                    if (limit is not None and key not in self.partner_sessions) \
+                            or not self.capacity.uploads.holds(key):
+                        stopped = await self._unless_interrupted(
+                            self._upload_capacity(limit, job, attempt_id, progress), gone)
+                        if stopped is None and not await lease.confirm(within=self.settings.lease_seconds):
+                            stopped = "lease"
+                        if stopped is not None:
+                            summary = ("not uploaded: the worker shut down or the attempt's lease was lost while it "
+                                       "waited for a partner session or an upload slot")
+                            log.warning("export %s attempt %s: %s", job.id, attempt_id, summary)
+                            await record_evidence({"step": "not_uploaded", "why": summary})
+                            return DeliverOutput(summary=summary, written=False)
+                    if key in self.partner_sessions:
+                        keeping = asyncio.create_task(self._keep_partner_session(key))
                     config = DestinationConfig.from_row(destination)
                     for number in range(1, self.settings.delivery_tries + 1):
                         result = await metrics.timed_delivery(job.destination_id, file.size, partner_delivery.deliver(
@@ -339,8 +385,14 @@ class DeliveryActivities(ExportActivitiesBase):
                         patience=self.settings.store_outage_patience_seconds, first_delay=0.5, max_delay=5.0,
                         what=f"the outcome of {job.id} attempt {attempt_id} waits for the database")
         finally:
+            if keeping is not None:
+                keeping.cancel()
+                await asyncio.gather(keeping, return_exceptions=True)
             remove_local_file(file.path)
             await lease.finish()
+            self.uploading.discard(key)
+            if key not in self.keepers:  # its keeper ended during the upload (a lost lease) and left both to it
+                self._free(key)
         if not written:
             log.warning("terminal write of %s attempt %s matched nothing; recovery reconciles from evidence",
                         job.id, attempt_id)

@@ -112,6 +112,9 @@ class ExportActivitiesBase:
                                        destination_share=settings.destination_share)
         # Attempts here that hold a session at their partner (take_partner_session.sql), given back at their end.
         self.partner_sessions: set[tuple[UUID, UUID]] = set()
+        # Attempts whose upload runs here: it keeps its upload slot and partner session until it ends, even when its
+        # lease keeper ends first (the lease lost: the upload goes on).
+        self.uploading: set[tuple[UUID, UUID]] = set()
         self._releases: set[asyncio.Task[None]] = set()
         # Each attempt's lease keeper on this worker, from its build's start to its terminal write.
         self.keepers: dict[tuple[UUID, UUID], LeaseKeeper] = {}
@@ -155,15 +158,20 @@ class ExportActivitiesBase:
     def _forget(self, key: tuple[UUID, UUID], keeper: LeaseKeeper) -> None:
         if self.keepers.get(key) is keeper:
             del self.keepers[key]
-            self.capacity.release(key)  # the attempt is over here: its build or upload slot is free
-            if key in self.partner_sessions:
-                self.partner_sessions.discard(key)
-                task = asyncio.create_task(self._release_partner_session(key))
-                self._releases.add(task)
-                task.add_done_callback(self._releases.discard)
+            if key not in self.uploading:  # else the upload frees them as it ends
+                self._free(key)
+
+    def _free(self, key: tuple[UUID, UUID]) -> None:
+        """The attempt is over here: its build or upload slot, and its partner session, are free."""
+        self.capacity.release(key)
+        if key in self.partner_sessions:
+            self.partner_sessions.discard(key)
+            task = asyncio.create_task(self._release_partner_session(key))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
 
     async def _release_partner_session(self, key: tuple[UUID, UUID]) -> None:
-        # Early, for speed: the slot is free anyway once the row no longer names the attempt Running or Delivering.
+        # Else the slot is free once the row no longer names the attempt and its upload's hold has lapsed.
         try:
             await self.store.release_partner_session(*key)
         except Exception as exc:

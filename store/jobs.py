@@ -8,7 +8,7 @@ import json
 import logging
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 from uuid import UUID, uuid4
 
 from sqlalchemy import and_, bindparam, select
@@ -59,6 +59,14 @@ _TENANTS_JOB = _JOB.where(export_jobs.c.tenant_id == bindparam("tenant_id"))
 _DESTINATION_ROW = select(destinations).where(
     destinations.c.tenant_id == bindparam("tenant_id"), destinations.c.id == bindparam("destination_id"))
 
+
+
+class PartnerSession(NamedTuple):
+    """take_partner_session.sql's answer: the destination's session limit now (None: none) and the attempt's slot
+    under it (None while every slot is held)."""
+
+    limit: int | None
+    slot: int | None
 
 class JobStore(RoleStore):
     """The application role (EXPORTS_DATABASE_URL): the activities and the starter."""
@@ -307,13 +315,21 @@ class JobStore(RoleStore):
             == 1
         )
 
-    async def take_partner_session(self, destination_id: UUID, job_id: UUID, attempt_id: UUID) -> int | None:
+    async def take_partner_session(self, destination_id: UUID, job_id: UUID, attempt_id: UUID) -> PartnerSession:
         """A slot of the destination's session limit for the attempt (take_partner_session.sql): the one it holds,
-        or a free one; None while all are held. Safe to repeat: a lost answer is asked again."""
+        or a free one, with the limit as it is now. Safe to repeat: a lost answer is asked again."""
         async with self.db.transaction() as conn:
             found = (await conn.execute(statement("take_partner_session"), {
                 "destination_id": destination_id, "job_id": job_id, "attempt_id": attempt_id})).first()
-        return None if found is None else int(found[0])
+        if found is None:  # no such destination: nothing to wait for (the upload finds it gone)
+            return PartnerSession(limit=None, slot=None)
+        return PartnerSession(limit=found[0], slot=found[1])
+
+    async def keep_partner_session(self, job_id: UUID, attempt_id: UUID) -> bool:
+        """The attempt's upload keeps its session a lease from now, whatever its row says meanwhile
+        (keep_partner_session.sql); False if it holds none."""
+        return await self._write("keep_partner_session", job_id=job_id, attempt_id=attempt_id,
+                                 lease_seconds=self.lease_seconds) == 1
 
     async def release_partner_session(self, job_id: UUID, attempt_id: UUID) -> None:
         await self._write("release_partner_session", job_id=job_id, attempt_id=attempt_id)

@@ -144,7 +144,7 @@ evidence_follow_ups = Table(
 )
 
 # Migration 0011: a slot of a destination's session limit, held while its export's row names the attempt, Running
-# or Delivering (take_partner_session.sql).
+# or Delivering, or while its upload keeps it (0016: until `uploading_until`) (take_partner_session.sql).
 partner_sessions = Table(
     "partner_sessions",
     metadata,
@@ -153,4 +153,5 @@ partner_sessions = Table(
     Column("job_id", UUID(as_uuid=True), nullable=False),
     Column("attempt_id", UUID(as_uuid=True), nullable=False),
     Column("taken_at", tstz, nullable=False),
+    Column("uploading_until", tstz),
 )

@@ -1,13 +1,18 @@
 -- A session at the destination's partner for this attempt (migration 0011): the one it holds, else the lowest slot
--- under max_sessions that no live attempt holds, while fewer than max_sessions are live (live: the export's row
--- still names that attempt, Running or Delivering). Two attempts after one slot meet at its row lock: the second
--- re-checks it, finds it live and takes nothing (it asks again). No row when every slot is held.
+-- under max_sessions that no live attempt holds, while fewer than max_sessions are live. A slot is live while the
+-- export's row still names its attempt, Running or Delivering, or while that attempt's upload keeps it (0016:
+-- `uploading_until` not passed; the upload goes on past a lost lease). Two attempts after one slot meet at its row
+-- lock: the second re-checks it, finds it live and takes nothing (it asks again).
+-- One row: the destination's limit now (NULL: none, so nothing to wait for, whatever was read before) and the slot
+-- held or taken (NULL while every slot is held).
 WITH held AS (
     SELECT slot FROM partner_sessions WHERE job_id = :job_id AND attempt_id = :attempt_id),
 live AS (
     SELECT s.slot FROM partner_sessions s
-    JOIN export_jobs j ON j.id = s.job_id AND j.attempt_id = s.attempt_id AND j.status IN ('Running', 'Delivering')
-    WHERE s.destination_id = :destination_id),
+    WHERE s.destination_id = :destination_id
+      AND (s.uploading_until > clock_timestamp()
+           OR EXISTS (SELECT FROM export_jobs j WHERE j.id = s.job_id AND j.attempt_id = s.attempt_id
+                      AND j.status IN ('Running', 'Delivering')))),
 taken AS (
     INSERT INTO partner_sessions AS s (destination_id, slot, job_id, attempt_id, taken_at)
     SELECT d.id, n, :job_id, :attempt_id, clock_timestamp()
@@ -16,8 +21,11 @@ taken AS (
       AND n NOT IN (SELECT slot FROM live) AND (SELECT count(*) FROM live) < d.max_sessions
     ORDER BY n LIMIT 1
     ON CONFLICT (destination_id, slot) DO UPDATE
-    SET job_id = EXCLUDED.job_id, attempt_id = EXCLUDED.attempt_id, taken_at = EXCLUDED.taken_at
-    WHERE NOT EXISTS (SELECT FROM export_jobs j WHERE j.id = s.job_id AND j.attempt_id = s.attempt_id
+    SET job_id = EXCLUDED.job_id, attempt_id = EXCLUDED.attempt_id, taken_at = EXCLUDED.taken_at,
+        uploading_until = NULL
+    WHERE NOT coalesce(s.uploading_until > clock_timestamp(), false)
+      AND NOT EXISTS (SELECT FROM export_jobs j WHERE j.id = s.job_id AND j.attempt_id = s.attempt_id
                       AND j.status IN ('Running', 'Delivering'))
     RETURNING slot)
-SELECT slot FROM held UNION ALL SELECT slot FROM taken;
+SELECT d.max_sessions, coalesce((SELECT slot FROM held), (SELECT slot FROM taken)) AS slot
+FROM destinations d WHERE d.id = :destination_id;

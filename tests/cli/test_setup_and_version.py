@@ -87,9 +87,10 @@ async def test_migrate_to_the_previous_revision_and_back(db, tmp_path):
     settings = db.settings()
 
     async def head_migration_in_place() -> bool:
-        """Whether the head's migration is in place (0015: the index of recent losses, whatever worker)."""
+        """Whether the head's migration is in place (0016: an upload's hold on its partner session)."""
         return bool(await db.admin.fetchval(
-            "SELECT count(*) FROM pg_indexes WHERE indexname = 'ix_attempt_events_recent_losses'"))
+            "SELECT count(*) FROM information_schema.columns WHERE table_name = 'partner_sessions' "
+            "AND column_name = 'uploading_until'"))
 
     down = await exports_command(settings, "migrate", "--to", PREVIOUS, cwd=tmp_path)
     assert down.code == 0 and f"at {PREVIOUS} (was {head_revision()})" in down.stdout, down

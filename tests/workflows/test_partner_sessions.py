@@ -1,0 +1,265 @@
+"""A partner's session limit (LD3) through what comes at it sideways: the contract changed while an export waits
+for a session, recovery taking an attempt back while its upload still runs, and a delivery that starts after its
+lease keeper gave up waiting for it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from contextlib import AsyncExitStack
+
+import pytest
+
+from activities.checkpoints import BEFORE_RENAME_FENCE, BEFORE_UPLOAD, Checkpoints
+from activities.lease import heartbeat
+from store.models import Status
+from tests.helpers.harness import open_harness, set_contract
+from tests.helpers.support import eventually
+
+LEASE = 3.0
+
+
+class HoldFirst(Checkpoints):
+    """Holds the first export to reach `name` there (heartbeating) until `release` is set."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.job: uuid.UUID | None = None
+        self.held = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def reached(self, name: str, job_id: uuid.UUID) -> None:
+        if name != self.name or (self.job is not None and self.job != job_id):
+            return
+        self.job = job_id
+        self.held.set()
+        while not self.release.is_set():
+            heartbeat()
+            await asyncio.sleep(0.2)
+
+
+async def _status(h, job_id):  # type: ignore[no-untyped-def]
+    row = await h.store.read_job(job_id)
+    return None if row is None else row.status
+
+
+@pytest.mark.spec("LD3")
+@pytest.mark.parametrize("change", ["no_limit", "raised"])
+async def test_an_export_waiting_for_a_session_goes_on_once_the_limit_is_cleared(db, store, client, tmp_path,
+                                                                                 change):
+    """`exports destinations update --no-max-sessions` (or a higher limit) while an export waits for a partner
+    session: the partner now has no limit, so the waiting export goes on to cutoff 2 within a retry or two. It
+    waited for the first export's upload to end (or for the 6-hour bound on its step) when the limit was cleared."""
+    async with AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path, lease_seconds=LEASE, renew_every_seconds=1.0)
+        await set_contract(h, max_sessions=1)
+        hold = HoldFirst(BEFORE_UPLOAD)
+        h.activities.checkpoints = hold
+        try:
+            first = await h.create()
+            await asyncio.wait_for(hold.held.wait(), 60)
+            second = await h.create()
+            # The second waits for the partner's only session, which the first holds.
+            await eventually(lambda: db.admin.fetchval(
+                "SELECT count(*) FROM export_attempt_events WHERE job_id = $1 AND kind = 'BuildStarted'", second),
+                lambda n: n >= 1, timeout=60, what="the second export built")
+            await asyncio.sleep(3)
+            assert await _status(h, second) is Status.RUNNING
+            if change == "no_limit":
+                await set_contract(h, max_sessions=None)   # what --no-max-sessions writes
+            else:
+                await set_contract(h, max_sessions=5)      # raised: works by design (control)
+            started = time.monotonic()
+            try:
+                await eventually(lambda: _status(h, second), lambda s: s is not Status.RUNNING, timeout=20,
+                                 interval=0.2, what="the second export past cutoff 2 after the limit changed")
+            finally:
+                waited = time.monotonic() - started
+                sessions = await db.admin.fetch("SELECT * FROM partner_sessions")
+                print(f"\nchange={change}: waited {waited:.1f} s; partner_sessions {[dict(r) for r in sessions]}")
+        finally:
+            hold.release.set()
+        rows = [await h.settled(job) for job in (first, second)]
+        assert all(row.status is Status.COMPLETED for row in rows), [row.status for row in rows]
+
+
+class HoldOnce(Checkpoints):
+    """Holds the first attempt to reach `name` there (heartbeating) until `release` is set; later ones pass."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.job: uuid.UUID | None = None
+        self.held = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def reached(self, name: str, job_id: uuid.UUID) -> None:
+        if name != self.name or self.held.is_set():
+            return
+        self.job = job_id
+        self.held.set()
+        while not self.release.is_set():
+            heartbeat()
+            await asyncio.sleep(0.2)
+
+
+def _positional(sql: str, names: list[str]) -> str:
+    import re
+    return re.sub(r":([a-z_]+)", lambda m: f"${names.index(m.group(1)) + 1}", sql)
+
+
+async def take_back_as_recovery_would(h, job_id: uuid.UUID) -> str:  # type: ignore[no-untyped-def]
+    """Recovery's take-back of the export's attempt (recovery_take_back.sql, as it stands), after its lease ran
+    out unrenewed: what happens when the uploading worker cannot reach PostgreSQL for longer than a lease (a
+    partition between that worker and the database, not the partner). Arranged in one transaction that holds the
+    row lock, so the worker's renewals wait and then find the attempt gone, exactly as after the partition."""
+    from pathlib import Path
+    sql = (Path(__file__).resolve().parents[2] / "store/sql/recovery_take_back.sql").read_text()
+    names = ["amid_others", "with_its_worker", "max_attempts", "max_shared_losses", "max_losses_amid_others",
+             "max_hand_backs", "job_id", "expired_attempt_id", "renew_seconds", "lost_by", "recovery_run_id"]
+    names = [n for n in names if f":{n}" in sql]
+    values = {"amid_others": False, "with_its_worker": False, "max_attempts": 5, "max_shared_losses": 5,
+              "max_losses_amid_others": 5, "max_hand_backs": 5, "job_id": job_id, "lost_by": "worker-x",
+              "recovery_run_id": "test-recovery"}
+    conn = await h.db.connect("owner")
+    try:
+        async with conn.transaction():
+            attempt = await conn.fetchval("SELECT attempt_id FROM export_jobs WHERE id = $1 FOR UPDATE", job_id)
+            await conn.execute("UPDATE export_jobs SET lease_expires_at = clock_timestamp() - interval '1 second' "
+                               "WHERE id = $1", job_id)
+            values["expired_attempt_id"] = attempt
+            kind = await conn.fetchval(_positional(sql, names), *[values[n] for n in names])
+    finally:
+        await conn.close()
+    return kind
+
+
+@pytest.mark.spec("LD3")
+async def test_an_upload_that_lost_its_lease_keeps_its_session_and_upload_slot_while_it_runs(db, store, client,
+                                                                                             tmp_path):
+    """A partner that accepts one session (max_sessions 1), a worker with one upload slot (max_uploads 1). Export A
+    is uploading (every byte sent, its SFTP session open, the rename not yet sent) when its attempt is taken back
+    by recovery (its worker could not renew for a lease). Its upload goes on to its end, by design ("once
+    started, an upload is not stopped by ... a lost lease"): its session at the partner and its upload slot are
+    still in use. Export B, waiting for the partner's session, does not start its upload meanwhile: it did, with
+    the partner's only session and the worker's only upload slot both counted free."""
+    async with AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path, lease_seconds=LEASE, renew_every_seconds=1.0,
+                               max_uploads=1, max_builds=2, max_per_destination=2)
+        await set_contract(h, max_sessions=1)
+        hold = HoldOnce(BEFORE_RENAME_FENCE)
+        h.activities.checkpoints = hold
+        most_connections = 0
+
+        async def count_connections() -> None:
+            nonlocal most_connections
+            while True:
+                most_connections = max(most_connections, h.partner.open_connections)
+                await asyncio.sleep(0.02)
+
+        counter = asyncio.create_task(count_connections())
+        try:
+            first = await h.create()
+            await asyncio.wait_for(hold.held.wait(), 60)
+            second = await h.create()
+            await eventually(lambda: db.admin.fetchval(
+                "SELECT count(*) FROM export_attempt_events WHERE job_id = $1 AND kind = 'BuildStarted'", second),
+                lambda n: n >= 1, timeout=60, what="the second export built")
+            await asyncio.sleep(2)
+            assert await _status(h, second) is Status.RUNNING  # waiting for the session, as it should
+            most_connections = h.partner.open_connections
+            print(f"\nbefore the takeover: partner connections open {most_connections}, upload slots in use "
+                  f"{h.activities.capacity.uploads.in_use}")
+            kind = await take_back_as_recovery_would(h, first)
+            assert kind == "RequeuedByRecovery", kind
+            # A's upload is still under way (held before its rename fence, its SFTP session open).
+            await asyncio.sleep(6)
+            status = await _status(h, second)
+            print(f"6 s after the takeover, A still uploading: B is {status}; partner connections seen at once "
+                  f"{most_connections}; upload slots in use {h.activities.capacity.uploads.in_use}; "
+                  f"partner_sessions {[dict(r) for r in await db.admin.fetch('SELECT * FROM partner_sessions')]}")
+            assert status is Status.RUNNING, (
+                f"B went past cutoff 2 ({status}) while A's upload still held the partner's only session and the "
+                f"worker's only upload slot; partner connections open at once: {most_connections}")
+        finally:
+            hold.release.set()
+            counter.cancel()
+
+
+class HoldDeliverStartThenFence(Checkpoints):
+    """The first export's `deliver` held at its start (before it adopts the lease keeper) for `hold` seconds, as a
+    deliver scheduled late would be (its run's workflow task delayed: Temporal away, a sticky queue waited out);
+    then the first export other than it to reach the rename fence is held there until `release`."""
+
+    def __init__(self, hold: float) -> None:
+        from activities.checkpoints import BEFORE_STEP
+        self.start_name = f"{BEFORE_STEP}deliver"
+        self.hold = hold
+        self.first: uuid.UUID | None = None
+        self.first_held = asyncio.Event()
+        self.first_released = asyncio.Event()
+        self.fence_held = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def reached(self, name: str, job_id: uuid.UUID) -> None:
+        if name == self.start_name and self.first in (None, job_id) and not self.first_released.is_set():
+            self.first = job_id
+            self.first_held.set()
+            started = time.monotonic()
+            while time.monotonic() - started < self.hold:
+                heartbeat()
+                await asyncio.sleep(0.2)
+            self.first_released.set()
+        elif name == BEFORE_RENAME_FENCE and job_id != self.first and not self.fence_held.is_set():
+            self.fence_held.set()
+            while not self.release.is_set():
+                heartbeat()
+                await asyncio.sleep(0.2)
+
+
+@pytest.mark.spec("LD3")
+async def test_a_deliver_that_starts_after_the_hand_over_window_waits_for_its_session(db, store, client,
+                                                                                           tmp_path):
+    """max_sessions 1. Export A is authorized (it holds the partner's only session and an upload slot), but its
+    `deliver` starts late, after the hand-over window (lease + renewal + sticky timeout + workflow task timeout):
+    the keeper gives up, and with it go A's upload slot and its partner session. Export B then takes the session
+    and uploads (held before its rename, its session open). No recovery ran meanwhile (Temporal was away, say), so
+    A's `deliver` confirms its lease (renew_lease.sql does not look at the expiry). It uploaded then, beside B: two
+    sessions at a partner whose contract allows one, and an upload that held no upload slot. It takes both again
+    first, and so waits for B."""
+    async with AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path, lease_seconds=LEASE, renew_every_seconds=1.0,
+                               sticky_queue_timeout_seconds=1.0, max_uploads=1, max_builds=2,
+                               max_per_destination=2)
+        await set_contract(h, max_sessions=1)
+        window = LEASE + 1.0 + 1.0 + 10.0
+        hold = HoldDeliverStartThenFence(window + 4)
+        h.activities.checkpoints = hold
+        most_connections = 0
+
+        async def count_connections() -> None:
+            nonlocal most_connections
+            while True:
+                most_connections = max(most_connections, h.partner.open_connections)
+                await asyncio.sleep(0.02)
+
+        counter = asyncio.create_task(count_connections())
+        try:
+            first = await h.create()
+            await asyncio.wait_for(hold.first_held.wait(), 60)
+            second = await h.create()
+            await asyncio.wait_for(hold.first_released.wait(), 60)
+            b_at_fence = hold.fence_held.is_set()
+            print(f"\nA's deliver released after {window + 4:.0f} s; B held in its upload: {b_at_fence}; "
+                  f"partner_sessions {[dict(r) for r in await db.admin.fetch('SELECT * FROM partner_sessions')]}")
+            await asyncio.sleep(5)
+            a = await _status(h, first)
+            print(f"5 s later: A is {a}, B is {await _status(h, second)} (held in its upload: "
+                  f"{hold.fence_held.is_set() and not hold.release.is_set()}); partner connections at once "
+                  f"{most_connections}; upload slots in use {h.activities.capacity.uploads.in_use}")
+            assert not (b_at_fence and a is Status.COMPLETED), (
+                "A uploaded (Completed) while B held the partner's only session in its upload: "
+                f"{most_connections} connections at the partner at once")
+        finally:
+            hold.release.set()
+            counter.cancel()
