@@ -70,21 +70,35 @@ class ExportWorkflow:
         self._display = Display(self._state)
         self._cancellations = Cancellations(self._state, self._display)
         self._job_id = uuid.UUID(int=0)  # set from the input as the run starts
+        # Decided here, not in `run`: the SDK hands a run's first workflow task its Updates before its start, so a
+        # cancel Update sent right after the start (or to a run just continued as new) met a validator that did not
+        # know yet whether the run takes it, and was refused. The patch's marker is the run's first command either
+        # way. The cancel Update is accepted only by runs that recorded its patch (workflows/patches.py): a release
+        # that does not know it could not replay an accepted one.
+        self._cancellations.updates_on = workflow.patched(patches.CANCEL_UPDATE)
+        # The tenant the run's fairness key names, until the start's input is read (`run`).
+        self._state.start_tenant = _key_tenant()
 
     # --- messages -----------------------------------------------------------------------------------------------
 
+    # Both signals take any number of payloads and check them here: one sent by hand (the UI, `temporal workflow
+    # signal`) may carry none or two, and the SDK would call a one-argument handler with them, fail the workflow
+    # task, and fail it again at every retry, since each meets the same signal: the run stalled for good.
+
     @workflow.signal
-    def wake(self, wake: Wake) -> None:
+    def wake(self, *payloads: Any) -> None:
+        """A wake-up; one that is not (no payload, two, or one that is not a wake-up) is rejected visibly."""
+        wake = self._cancellations.signal_payload("wake", payloads, Wake)
         # The dispatcher may publish one outbox row twice; each row wakes the workflow once.
-        if str(wake.message_id) not in self._state.seen_messages:
+        if wake is not None and str(wake.message_id) not in self._state.seen_messages:
             self._state.seen_messages.add(str(wake.message_id))
             self._state.woken = True
 
     @workflow.signal
-    def cancel(self, payload: Any) -> None:
-        """A cancellation request. Typed loosely on purpose: a payload typed by hand in the UI that does not
-        validate is rejected visibly (log and the `rejected_signals` query), and records nothing."""
-        self._cancellations.accept(payload)
+    def cancel(self, *payloads: Any) -> None:
+        """A cancellation request. A payload typed by hand in the UI that does not validate is rejected visibly (log
+        and the `rejected_signals` query), and records nothing."""
+        self._cancellations.accept(payloads)
 
     @workflow.update(name="cancel")
     async def cancel_update(self, payload: Any) -> CancellationResult:
@@ -111,9 +125,6 @@ class ExportWorkflow:
     async def run(self, payload: Any = None) -> ExportResult:
         # Typed loosely and validated here, as the cancel signal is: a start that does not decode would otherwise
         # fail the workflow task again and again, and never end.
-        # The cancel Update is accepted only by runs that recorded its patch (workflows/patches.py): a release
-        # that does not know it could not replay an accepted one.
-        self._cancellations.updates_on = workflow.patched(patches.CANCEL_UPDATE)
         request = _validated_start(payload)
         self._state.start_tenant = _start_tenant(request)
         # Temporal's cancel must not cancel an attempt's steps (least of all a delivery): it becomes a stop
@@ -455,11 +466,14 @@ def _size(size: float) -> str:
 
 
 def _start_tenant(request: ExportInput) -> uuid.UUID | None:
-    """The tenant the run's start named: its creation's, else its fairness key (the dispatcher and the client
-    package key every run to its tenant, LD5; the server carries the key over to a continued run). None for a
-    start that named none (by hand, without a key)."""
-    if request.create is not None:
-        return request.create.tenant_id
+    """The tenant the run's start named: its creation's, else its fairness key. None for a start that named none
+    (by hand, without a key)."""
+    return request.create.tenant_id if request.create is not None else _key_tenant()
+
+
+def _key_tenant() -> uuid.UUID | None:
+    """The tenant the run's fairness key names (the dispatcher and the client package key every run to its tenant,
+    LD5; the server carries the key over to a continued run), or None."""
     try:
         return uuid.UUID(workflow.info().priority.fairness_key or "")
     except ValueError:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
@@ -25,7 +25,7 @@ from workflows.export_state import SHORT_STEP, RunState, cause
 
 with workflow.unsafe.imports_passed_through():
     from exports_client.contracts import validation_problems
-    from pydantic import ValidationError
+    from pydantic import BaseModel, ValidationError
 
     from activities.contracts import (
         TEMPORAL_CANCEL_OPERATOR,
@@ -51,6 +51,8 @@ _MOST_WAITING = 100
 _ANSWERS_KEPT = 1000
 # Requests recorded together by one step, at most (a run that accepts the Update records what waited together).
 _BATCH = 100
+_Payload = TypeVar("_Payload", bound=BaseModel)
+_Asked = tuple[uuid.UUID, uuid.UUID, str]  # request ID, tenant, operator
 
 
 class Cancellations:
@@ -60,10 +62,10 @@ class Cancellations:
         self._pending: list[CancelRequest] = []
         self._recording = False
         self._waiting_to_ask_again = 0
-        self._busy: dict[uuid.UUID, int] = {}  # request ID -> how often its row was found locked
+        self._busy: dict[_Asked, int] = {}  # request -> how often its row was found locked
         # Whether this run accepts the `cancel` Update: decided once, at the run's start, by its patch.
         self.updates_on = False
-        self._answers: dict[uuid.UUID, CancellationResult | str] = {}  # request ID -> outcome, or why none
+        self._answers: dict[_Asked, CancellationResult | str] = {}  # request -> outcome, or why none
         self._updates_waiting = 0
         self._refused_unlogged = 0  # refusals since the last line logged
         self._last_refusal = ""
@@ -73,17 +75,25 @@ class Cancellations:
         """Nothing pending, being recorded, or waiting to be asked again: the run may end."""
         return not self._pending and not self._recording and not self._waiting_to_ask_again
 
-    def accept(self, payload: Any) -> None:
-        """A `cancel` signal's payload: a request to record, or refused here (log, the details and the
-        `rejected_signals` query), recording nothing."""
-        try:
-            request = CancelRequest.model_validate(payload)
-        except ValidationError as exc:
-            problem = validation_problems(exc, "payload")
-            self._display.reject(f"cancel rejected, nothing recorded: {problem}")
-            self._log_refusal(problem)
-            return
-        self._pending.append(request)
+    def accept(self, payloads: tuple[Any, ...]) -> None:
+        """A `cancel` signal's payloads: a request to record, or refused here, recording nothing."""
+        request = self.signal_payload("cancel", payloads, CancelRequest)
+        if request is not None:
+            self._pending.append(request)
+
+    def signal_payload(self, signal: str, payloads: tuple[Any, ...], model: type[_Payload]) -> _Payload | None:
+        """A signal's one payload as `model`; else None, refused (log, the details and the `rejected_signals`
+        query), and nothing done with it."""
+        if len(payloads) != 1:
+            problem = f"payload: one expected, {len(payloads)} sent"
+        else:
+            try:
+                return model.model_validate(payloads[0])
+            except ValidationError as exc:
+                problem = validation_problems(exc, "payload")
+        self._display.reject(f"{signal} rejected, nothing recorded: {problem}")
+        self._log_refusal(f"{signal}: {problem}")
+        return None
 
     def _log_refusal(self, problem: str) -> None:
         """Refusals are logged a line per workflow task, once its handlers have run: a flood that piled up reaches
@@ -96,7 +106,7 @@ class Cancellations:
             asyncio.create_task(self._log_refusals())
 
     async def _log_refusals(self) -> None:
-        workflow.logger.warning("%d cancel signal(s) rejected, nothing recorded; the last: %s (%d refused by this "
+        workflow.logger.warning("%d signal(s) rejected, nothing recorded; the last: %s (%d refused by this "
                                 "run, the last %d in the rejected_signals query)", self._refused_unlogged,
                                 self._last_refusal, self._display.rejected_count, len(self._display.rejected))
         self._refused_unlogged = 0
@@ -120,28 +130,30 @@ class Cancellations:
         if tenant is not None and request.tenant_id != tenant:
             raise ApplicationError("no such export for this tenant: nothing recorded", type="CancelExportNotFound",
                                    non_retryable=True)
-        if request.request_id not in self._answers and self._updates_waiting >= _MOST_WAITING:
+        if _asked(request) not in self._answers and self._updates_waiting >= _MOST_WAITING:
             raise ApplicationError(f"{_MOST_WAITING} cancellation requests are waiting to be recorded; send it again "
                                    "shortly: nothing recorded", type="CancelRequestsWaiting", non_retryable=True)
 
     async def answer_update(self, payload: Any) -> CancellationResult:
         """The `cancel` Update: the request recorded (or its earlier answer, asked again), and its outcome."""
         request = _parse_update(payload)
-        if request.request_id not in self._answers:
+        asked = _asked(request)
+        if asked not in self._answers:
             self._updates_waiting += 1
             try:
                 self._pending.append(request)
-                await workflow.wait_condition(lambda: request.request_id in self._answers)
+                await workflow.wait_condition(lambda: asked in self._answers)
             finally:
                 self._updates_waiting -= 1
-        answer = self._answers[request.request_id]
+        answer = self._answers[asked]
         if isinstance(answer, str):
             raise ApplicationError(answer, type="CancelNotRecorded", non_retryable=True)
         return answer
 
-    def _remember(self, request_id: uuid.UUID, answer: CancellationResult | str) -> None:
-        self._answers.pop(request_id, None)
-        self._answers[request_id] = answer
+    def _remember(self, request: CancelRequest, answer: CancellationResult | str) -> None:
+        asked = _asked(request)
+        self._answers.pop(asked, None)
+        self._answers[asked] = answer
         while len(self._answers) > _ANSWERS_KEPT:
             del self._answers[next(iter(self._answers))]
 
@@ -188,7 +200,7 @@ class Cancellations:
         except ActivityError as err:
             # One request that cannot be recorded never blocks the next one.
             problem = f"cancel {request.request_id} not recorded: {cause(err)}"
-            self._remember(request.request_id, problem)
+            self._remember(request, problem)
             self._display.reject(problem)
             workflow.logger.warning("%s", problem)
             return [None]
@@ -216,7 +228,7 @@ class Cancellations:
         if outcome is CancellationOutcome.BUSY and workflow.patched(patches.BUSY_CANCEL_RETRY):
             if self._ask_again_later(request):
                 return
-        self._remember(request.request_id, result)
+        self._remember(request, result)
         if outcome in _STOP_OUTCOMES:
             self._state.stop_seen = True
             if self._state.build is not None:
@@ -226,7 +238,8 @@ class Cancellations:
     def _ask_again_later(self, request: CancelRequest) -> bool:
         """A Busy answer recorded nothing: the same request ID is asked again (its answer, if an earlier try
         committed after all, is the one recorded), a few times. False once the tries are spent."""
-        self._busy[request.request_id] = tries = self._busy.get(request.request_id, 0) + 1
+        asked = _asked(request)
+        self._busy[asked] = tries = self._busy.get(asked, 0) + 1
         if tries > _BUSY_RETRIES:
             self._display.reject(f"cancel {request.request_id} not recorded: the export stayed busy "
                                           f"through {_BUSY_RETRIES} tries; send it again")
@@ -242,6 +255,12 @@ class Cancellations:
             self._pending.append(request)
         finally:
             self._waiting_to_ask_again -= 1
+
+
+def _asked(request: CancelRequest) -> _Asked:
+    """What makes two requests one, as the row decides it (store/cancellation.py): the same request ID from another
+    operator (or tenant) is another request, answered RequestIdReused by the row, never the first one's answer."""
+    return request.request_id, request.tenant_id, request.requested_by
 
 
 def _parse_update(payload: Any) -> CancelRequest:
