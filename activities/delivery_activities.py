@@ -208,9 +208,9 @@ class DeliveryActivities(ExportActivitiesBase):
 
     async def _upload_capacity(self, limit: int | None, job: JobRow, attempt_id: UUID,
                                details: dict[str, Any]) -> None:
-        """What an upload needs before it connects: a session at its partner under the contract's limit and an
-        upload slot here, in cutoff 2's order. Both held since cutoff 2, unless this step came after its lease
-        keeper had given up waiting for it, and both with it: then taken again, waited for as cutoff 2 waits."""
+        """What an upload needs before it connects, when this step came after its lease keeper had given up
+        waiting for it and given back what cutoff 2 took: a session at its partner under the contract's limit, then
+        an upload slot here, waited for as cutoff 2 waits."""
         await self._session_under(limit, job, attempt_id, details)
         await self._slot(self.capacity.uploads, job.id, attempt_id, details)
 
@@ -329,11 +329,11 @@ class DeliveryActivities(ExportActivitiesBase):
                         outcome="Failed", failure_reason="NotDelivered", summary="destination vanished before upload"
                     )
                 else:
-                    limit = destination.get("max_sessions")
-                    if (limit is not None and key not in self.partner_sessions) \
-                            or not self.capacity.uploads.holds(key):
+                    if not self.capacity.uploads.holds(key):
+                        # The keeper gave up waiting for this step, and gave back what cutoff 2 took: taken again,
+                        # in cutoff 2's order (never an upload slot held while waiting for a session).
                         stopped = await self._unless_interrupted(
-                            self._upload_capacity(limit, job, attempt_id, progress), gone)
+                            self._upload_capacity(destination.get("max_sessions"), job, attempt_id, progress), gone)
                         if stopped is None and not await lease.confirm(within=self.settings.lease_seconds):
                             stopped = "lease"
                         if stopped is not None:

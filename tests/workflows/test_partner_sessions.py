@@ -11,7 +11,7 @@ from contextlib import AsyncExitStack
 
 import pytest
 
-from activities.checkpoints import BEFORE_RENAME_FENCE, BEFORE_UPLOAD, Checkpoints
+from activities.checkpoints import BEFORE_RENAME_FENCE, BEFORE_STEP, BEFORE_UPLOAD, Checkpoints
 from activities.lease import heartbeat
 from store.models import Status
 from tests.helpers.harness import open_harness, set_contract
@@ -192,7 +192,6 @@ class HoldDeliverStartThenFence(Checkpoints):
     then the first export other than it to reach the rename fence is held there until `release`."""
 
     def __init__(self, hold: float) -> None:
-        from activities.checkpoints import BEFORE_STEP
         self.start_name = f"{BEFORE_STEP}deliver"
         self.hold = hold
         self.first: uuid.UUID | None = None
@@ -263,3 +262,29 @@ async def test_a_deliver_that_starts_after_the_hand_over_window_waits_for_its_se
         finally:
             hold.release.set()
             counter.cancel()
+
+
+@pytest.mark.spec("LD3")
+async def test_a_limit_set_between_cutoff_2_and_the_upload_holds_up_neither_export(db, store, client, tmp_path):
+    """One upload slot. Export A is authorized with no limit on its partner (no session taken) and its upload has
+    not begun when the limit is set to one; export B then takes that one session at cutoff 2 and waits there for
+    the worker's only upload slot, A's. A's upload, authorized before the limit, goes on without a session: were
+    it to wait for one while it holds the upload slot, each would wait for the other until its step's bound."""
+    async with AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path, lease_seconds=LEASE, renew_every_seconds=1.0,
+                               max_uploads=1, max_builds=2, max_per_destination=2)
+        hold = HoldFirst(f"{BEFORE_STEP}deliver")
+        h.activities.checkpoints = hold
+        try:
+            first = await h.create()
+            await asyncio.wait_for(hold.held.wait(), 60)
+            await set_contract(h, max_sessions=1)
+            second = await h.create()
+            await eventually(lambda: db.admin.fetchval("SELECT count(*) FROM partner_sessions WHERE job_id = $1",
+                                                       second), lambda n: n == 1, timeout=60, interval=0.2,
+                             what="the second export holding the partner's only session at cutoff 2")
+            assert await _status(h, second) is Status.RUNNING  # waiting there for A's upload slot
+        finally:
+            hold.release.set()
+        rows = await asyncio.wait_for(asyncio.gather(h.settled(first), h.settled(second)), 90)
+        assert [row.status for row in rows] == [Status.COMPLETED, Status.COMPLETED]
