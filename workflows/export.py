@@ -389,7 +389,10 @@ class ExportWorkflow:
             workflow.continue_as_new(ExportInput(job_id=self._job_id))
 
     def _may_continue_as_new(self) -> bool:
+        # Not with Temporal's cancel still waiting for the row (a run whose claim failed has not read it): the new
+        # run would never hear of it, and the export would go on as if never cancelled.
         return (self._cancellations.updates_on and workflow.info().is_continue_as_new_suggested()
+                and not self._state.temporal_cancel
                 and self._cancellations.idle and workflow.all_handlers_finished())
 
     def _observe(self, row: JobRow | None, *, show: bool = True) -> JobRow:

@@ -8,12 +8,16 @@ import uuid
 from datetime import UTC, datetime
 
 from temporalio import activity
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHandle
+from temporalio.exceptions import ApplicationError
 from temporalio.worker import Worker
 
 from activities.contracts import (
     Admission,
     AdmitInput,
+    CancelBatch,
+    CancelBatchOutput,
     CancelOutput,
     CancelRequest,
     Evaluation,
@@ -76,3 +80,62 @@ async def woken_while_recording_a_cancel(client: Client) -> tuple[WorkflowHandle
         recording.set()
         result = await asyncio.wait_for(handle.result(), 30)
     return handle, result, reads
+
+
+async def temporal_cancel_before_the_row(client: Client) -> tuple[list[str], int]:
+    """A run that takes the cancel Update (its patch activated) whose first claim failed, so it has never read its
+    row, is cancelled through Temporal; then junk signals make Temporal suggest continuing as new (the server the
+    caller connected to suggests it early), and only then does the claim read the row. Returns who asked for each
+    request the run recorded, and how many runs the workflow had."""
+    job_id, tenant_id = uuid.uuid4(), uuid.uuid4()
+    claim_fails = asyncio.Event()
+    claim_fails.set()
+    recorded: list[str] = []
+
+    @activity.defn(name="claim_if_allowed")
+    async def claim_if_allowed(_: AdmitInput) -> Admission:
+        if claim_fails.is_set():
+            raise ApplicationError("the database is away (a stand-in)", non_retryable=True)
+        return Admission(evaluation=Evaluation(row=JobRow(
+            id=job_id, tenant_id=tenant_id, status=Status.QUEUED, version=1, destination_id=uuid.uuid4(),
+            woken_at=datetime.now(UTC), delivery_key="k", created_by="tests",
+            final_name=f"contacts-{tenant_id}-k.csv")))
+
+    @activity.defn(name="record_cancellations")
+    async def record_cancellations(batch: CancelBatch) -> CancelBatchOutput:
+        recorded.extend(request.requested_by for request in batch.requests)
+        return CancelBatchOutput(results=[CancellationResult(request_id=request.request_id, job_id=job_id,
+                                                             outcome=CancellationOutcome.STOP_REQUESTED,
+                                                             found_status=Status.QUEUED)
+                                          for request in batch.requests])
+
+    queue = f"early-cancel-{uuid.uuid4().hex[:8]}"
+    async with Worker(client, task_queue=queue, workflows=[ExportWorkflow], activities=[record_cancellations],
+                      patch_activation_callback=patches.activation(frozenset({patches.CANCEL_UPDATE}))), \
+            Worker(client, task_queue=admission_queue(queue), activities=[claim_if_allowed]):
+        handle = await client.start_workflow(ExportWorkflow.run, ExportInput(job_id=job_id),
+                                             id=export_workflow_id(job_id), task_queue=queue,
+                                             result_type=ExportResult)
+        await eventually(lambda: _events(handle, EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED), lambda n: n >= 1,
+                         timeout=30, interval=0.1, what="the first claim failed")
+        await handle.cancel()
+        for _ in range(30):
+            await handle.signal("cancel", {"junk": True})
+        # The first run has taken the cancel and the signals: it continued as new, or completed a task after them.
+        first = client.get_workflow_handle(handle.id, run_id=handle.first_execution_run_id)
+        await eventually(lambda: _events(first, EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED), lambda n: n >= 3,
+                         timeout=30, interval=0.1, what="the run took the cancel and the signals")
+        claim_fails.clear()
+        await handle.signal("wake", Wake(message_id=uuid.uuid4()))
+        try:
+            await eventually(lambda: asyncio.sleep(0, list(recorded)), bool, timeout=20, interval=0.2,
+                             what="a request recorded after the wake-up")
+        except AssertionError:
+            pass
+        runs = len([w async for w in client.list_workflows(f"WorkflowId = '{handle.id}'")])
+        await handle.terminate("test over")
+    return recorded, runs
+
+
+async def _events(handle: WorkflowHandle, kind: int) -> int:
+    return sum(1 for event in (await handle.fetch_history()).events if event.event_type == kind)

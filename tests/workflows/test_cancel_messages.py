@@ -3,7 +3,8 @@
 run's first workflow task (sent right after the start, or to a run that has just continued as new), and one
 request ID sent by two operators. Each was seen failing: the first stalled the run for good (every retry of its
 workflow task met the same signal), the second was refused ("send the cancel signal"), the third was answered
-from the run's memory by request ID alone, not as the row records it."""
+from the run's memory by request ID alone, not as the row records it. And Temporal's own cancel of a run that has
+not read its row yet: it was lost when the run continued as new before the read."""
 
 from __future__ import annotations
 
@@ -18,14 +19,15 @@ from temporalio.client import WorkflowUpdateFailedError, WorkflowUpdateStage
 from temporalio.common import Priority
 from temporalio.service import RPCError
 
-from activities.contracts import ExportInput, ExportResult
+from activities.contracts import TEMPORAL_CANCEL_OPERATOR, ExportInput, ExportResult
 from starter.localstack.temporal import temporal_binary
 from store.db import asyncpg_dsn
 from store.models import CancellationResult, Status
 from tests.helpers.harness import open_harness
+from tests.helpers.standins import temporal_cancel_before_the_row
 from tests.helpers.store_states import drive
 from tests.helpers.support import eventually, lock_row, unlock_row
-from tests.workflows.test_cancel_update import EARLY, _request, _waiting_run
+from tests.workflows.test_cancel_update import EARLY, _own_server, _request, _waiting_run
 from worker import running_worker
 from workflows.identity import export_workflow_id
 
@@ -218,3 +220,14 @@ async def test_the_operator_whose_request_was_recorded_is_not_told_it_was_reused
                 await handle.terminate("test over")
             except RPCError:
                 pass
+
+
+@pytest.mark.spec("LD7")
+async def test_a_temporal_cancel_before_the_row_is_read_is_not_lost_when_the_run_continues_as_new(tmp_path):
+    """Temporal's cancel becomes a stop request once the run knows its row (its tenant). A run whose claim failed
+    has not read it, and waits for a wake-up; there it continues as new once Temporal suggests it. It did so with
+    the cancel not yet a request, and the new run never heard of it: the export went on as if never cancelled. Now
+    a run with such a cancel pending does not continue as new until the cancel is recorded."""
+    async with _own_server(tmp_path, {"limit.historyCount.suggestContinueAsNew": 20}) as client:
+        recorded, runs = await temporal_cancel_before_the_row(client)
+    assert recorded == [TEMPORAL_CANCEL_OPERATOR], (recorded, runs)
