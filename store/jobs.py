@@ -60,13 +60,13 @@ _DESTINATION_ROW = select(destinations).where(
     destinations.c.tenant_id == bindparam("tenant_id"), destinations.c.id == bindparam("destination_id"))
 
 
-
 class PartnerSession(NamedTuple):
     """take_partner_session.sql's answer: the destination's session limit now (None: none) and the attempt's slot
     under it (None while every slot is held)."""
 
     limit: int | None
     slot: int | None
+
 
 class JobStore(RoleStore):
     """The application role (EXPORTS_DATABASE_URL): the activities and the starter."""

@@ -63,7 +63,7 @@ class Cancellations:
         self._recording = False
         self._waiting_to_ask_again = 0
         self._busy: dict[_Asked, int] = {}  # request -> how often its row was found locked
-        # Whether this run accepts the `cancel` Update: decided once, at the run's start, by its patch.
+        # Whether this run accepts the `cancel` Update: decided once, by its patch, as the workflow object is made.
         self.updates_on = False
         self._answers: dict[_Asked, CancellationResult | str] = {}  # request -> outcome, or why none
         self._updates_waiting = 0
