@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from uuid import UUID
 
-from store.statements import RoleStore
+from store.statements import RoleStore, storable
 
 Proof = Literal["sha256", "acknowledgment"]
 OBSERVED_BY = "follow-up"  # the event's observer: who settled it, beside the run that did
@@ -31,7 +31,7 @@ class FollowUp(RoleStore):
     async def noted(self, job_id: UUID, attempt_id: UUID, finding: str) -> bool:
         """Counts one look and keeps its finding; False when the export is no longer that attempt's OutcomeUnknown."""
         return (await self.db.write("follow_up_noted", job_id=job_id, attempt_id=attempt_id,
-                                    finding=finding[:1000])).changed
+                                    finding=storable(finding)[:1000])).changed
 
     async def confirm(self, job_id: UUID, attempt_id: UUID, *, final_name: str, observed_sha256: str,
                       proof: Proof, detail: str, run_id: str) -> bool:
@@ -39,7 +39,7 @@ class FollowUp(RoleStore):
         file's (the statement checks it). False when the row does not match: moved on, or not that file."""
         return (await self.db.write(
             "follow_up_confirm", job_id=job_id, attempt_id=attempt_id, final_name=final_name,
-            observed_sha256=observed_sha256, confirmed_by=proof, detail=detail[:1000],
+            observed_sha256=observed_sha256, confirmed_by=proof, detail=storable(detail)[:1000],
             observed_by=f"{OBSERVED_BY}/{run_id}")).changed
 
     async def overview(self, *, window_seconds: float, tenant_id: UUID | None = None,

@@ -4,7 +4,6 @@ store/statements.py's Database."""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from datetime import datetime
@@ -25,7 +24,7 @@ from store.models import (
     Status,
 )
 from store.schema import cancellation_requests, destinations, export_attempt_events, export_jobs
-from store.statements import Reread, RoleStore, Written, fetch_one, statement
+from store.statements import Reread, RoleStore, Written, evidence_json, fetch_one, statement, storable
 
 log = logging.getLogger(__name__)
 
@@ -347,7 +346,7 @@ class JobStore(RoleStore):
             "pass_rename_fence",
             reread=Reread("ownership_reread", {"job_id": job_id}, when_unchanged=False),
             job_id=job_id, attempt_id=attempt_id, holder=holder, observed_by=observed_by,
-            detail=json.dumps(detail, sort_keys=True, default=str),
+            detail=evidence_json(detail),
         )
         if not written.uncertain:
             return written.changed
@@ -435,7 +434,7 @@ class JobStore(RoleStore):
             wake=wake,
             outcome=outcome.value,
             failure_reason=failure_reason.value if failure_reason else None,
-            summary=summary,
+            summary=storable(summary),
         )
 
     async def _finish(
@@ -480,7 +479,7 @@ class JobStore(RoleStore):
             attempt_id=attempt_id,
             holder=holder,
             observed_by=observed_by,
-            detail=json.dumps(detail, sort_keys=True, default=str),
+            detail=evidence_json(detail),
         )
 
 

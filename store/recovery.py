@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from store import sweeper
 from store.jobs import check_confirmation
 from store.models import Status
-from store.statements import RoleStore, Written
+from store.statements import RoleStore, Written, storable
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class Recovery(RoleStore):
             job_id=job_id,
             expired_attempt_id=attempt_id,
             resolution=resolution.value,
-            evidence_summary=evidence_summary,
+            evidence_summary=storable(evidence_summary),
             recovery_run_id=str(recovery_run_id),
             confirmed_by=confirmed_by,
         )

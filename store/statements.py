@@ -8,6 +8,7 @@ write has one path for an uncertain answer: a bounded re-read with the statement
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
@@ -94,6 +95,26 @@ class Written(Generic[Count]):
     @property
     def uncertain(self) -> bool:
         return self.count is None
+
+
+def storable(value: Any) -> Any:
+    """What the store records about a partner (its messages, what its files hold, an exception's text) as
+    PostgreSQL can keep it: a NUL, which no text or jsonb value may hold, becomes U+FFFD, in strings at any depth.
+    A partner that sends one, broken or lying, must not make the record of its export impossible: the refused
+    write left the export Delivering for good, and the follow-up's look failed at every run. An operator's input
+    is refused instead, before it comes here (the contracts' checks)."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, dict):
+        return {storable(key): storable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [storable(item) for item in value]
+    return value
+
+
+def evidence_json(detail: dict[str, Any]) -> str:
+    """An evidence record's detail as the jsonb the statements take, storable."""
+    return json.dumps(storable(detail), sort_keys=True, default=lambda other: storable(str(other)))
 
 
 class Database:

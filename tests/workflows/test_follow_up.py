@@ -186,3 +186,60 @@ async def test_the_follow_up_has_its_schedule_which_a_rollback_can_remove(harnes
         assert FOLLOW_UP_SCHEDULE not in ids
     finally:
         await remove_schedules(h.client, list(schedules(settings)))
+
+
+async def _follow_up(h: Harness, limit: int = 50, window_seconds: float = 3600.0) -> FollowUpReport:
+    return await asyncio.wait_for(h.client.execute_workflow(
+        "EvidenceFollowUpWorkflow", FollowUpInput(limit=limit, window_seconds=window_seconds),
+        id=f"follow-up-{uuid.uuid4().hex[:8]}", task_queue=h.settings.task_queue, result_type=FollowUpReport), 60)
+
+
+@pytest.mark.spec("LV2")
+async def test_follow_up_never_settles_an_original_from_its_replacements_file(harness: Harness):
+    """An original ends OutcomeUnknown and its file is not (or no longer) at the partner; a person replaces it and
+    the replacement delivers its own file under the shared final name, Completed. The original was never proven
+    delivered: the only file there is the replacement's. The follow-up must not settle the original Completed from
+    it (cutoff 2 refuses a replacement whose original is Completed, so that one final name never has two Completed
+    exports for one rename). Seen failing: it settled the original Completed, by sha256, from the replacement's
+    file."""
+    h = harness
+    original, content = await unknown_original(h)
+    row = await h.store.read_job(original)
+    final = outbound(h.partner) / row.final_name
+    final.unlink()  # not there: the rename was never carried out, or the partner took it
+
+    replacement = await h.exports.replace(tenant_id=h.tenant_id, original_job_id=original, created_by="ops@example",
+                                          reason="the original's outcome is unknown")
+    done = await h.settled(replacement)
+    assert done.status is Status.COMPLETED
+    # The replacement's own file, byte for byte the original's expected one (same tenant, same contacts).
+    assert hashlib.sha256(final.read_bytes()).digest() == row.expected_file_sha256
+
+    report = await _follow_up(h)
+    looked = [o for o in report.outputs if o.job_id == original]
+    after = await h.store.read_job(original)
+    assert after.status is Status.OUTCOME_UNKNOWN, (
+        f"original settled {after.status.value} (confirmed_by={after.confirmed_by}) from its replacement's file; "
+        f"follow-up said {looked}; the final name has one rename and two Completed exports")
+
+
+@pytest.mark.spec("LV2")
+async def test_an_acknowledgment_with_a_nul_byte_is_a_finding_and_starves_no_other_export(harness: Harness):
+    """A partner that lies in its acknowledgment (a NUL byte in it) must make a finding like any other, and must
+    not keep the follow-up from the exports behind it: each run looks at the least recently looked at first. Seen
+    failing: PostgreSQL refused the finding, the look was never counted, and the same export came first in every
+    run."""
+    h = harness
+    first, _ = await unknown_original(h)  # became OutcomeUnknown first: looked at first
+    second, _ = await unknown_original(h)
+    first_row = await h.store.read_job(first)
+    (outbound(h.partner) / first_row.final_name).unlink()  # the partner took the first's file
+    await set_contract(h, acknowledgment_dir="/acks")
+    (h.partner.root / "acks").mkdir()
+    (h.partner.root / "acks" / f"{first_row.final_name}.ack").write_text("sha256=\x00" + "0" * 63 + "\n")
+
+    reports = [await _follow_up(h, limit=1) for _ in range(3)]
+    outputs = [o for r in reports for o in r.outputs]
+    assert (await h.store.read_job(second)).status is Status.COMPLETED, (
+        f"the second export (its file reads back right) was never looked at in three runs; the runs looked at "
+        f"{[(str(o.job_id)[:8], o.concluded, o.finding[:120]) for o in outputs]}")
