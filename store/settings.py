@@ -89,7 +89,8 @@ class Settings(BaseSettings):
     # How often a running step heartbeats to Temporal, which is also how often the SDK sends one (LD6). Unset: the
     # lease's renewal interval (a third of the lease at most, so that one late heartbeat is not a lost worker):
     # heartbeats mirror the lease. Each one that reaches the server is a billable action on Temporal Cloud and a
-    # write on any cluster; a stop reaches a build through the database (docs/design.md §5.6), not in a reply.
+    # write on any cluster; a stop reaches a build through the database (docs/design.md §5.6), not in a reply. Set,
+    # at most a third of the lease (checked below).
     heartbeat_throttle_seconds: float | None = Field(None, gt=0)
     lock_timeout_ms: int = Field(2000, ge=1)
     # Client-side bounds on PostgreSQL (docs/database.md, "Silent networks"): a network that drops packets
@@ -240,6 +241,11 @@ class Settings(BaseSettings):
     def _renewal_fits_in_lease(self) -> Settings:
         if self.renew_every_seconds >= self.lease_seconds:
             raise ValueError("renew_every_seconds must be shorter than lease_seconds")
+        # Temporal gives a step up after one lease without a heartbeat, and a step whose heartbeats come more than
+        # half a lease apart is late at each (activities/lease.py, Beats): a third keeps one late heartbeat harmless.
+        if self.heartbeat_throttle_seconds is not None and self.heartbeat_throttle_seconds > self.lease_seconds / 3:
+            raise ValueError(f"heartbeat_throttle_seconds must be at most a third of lease_seconds "
+                             f"({self.lease_seconds / 3:g}), not {self.heartbeat_throttle_seconds:g}")
         return self
 
 

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from store.models import CancellationOutcome, Status
+from store.settings import Settings
 from tests.helpers.support import eventually
 from tests.observe.test_metrics import polling, scrape, value, worker_process, world
 
@@ -66,3 +67,15 @@ async def test_a_running_step_heartbeats_once_a_renewal_interval_and_a_stop_stil
         print(f"LD6: stop reached the build in {stopped_after * 1000:.0f} ms, heartbeats {RENEW:.0f} s apart")
         assert stopped_after < 1.0, stopped_after
     assert value(after, "exports_ended_total", status="Completed") >= 1
+
+
+@pytest.mark.spec("LD6")
+@pytest.mark.parametrize("throttle", [20.0 + 1e-6, 30.0, 60.0])
+def test_a_heartbeat_cadence_past_a_third_of_the_lease_is_refused(throttle: float) -> None:
+    """A step's heartbeat timeout is one lease, and a step whose heartbeats come more than half a lease apart is
+    late at each: seen failing, a cadence of a whole lease (or more) was accepted, and Temporal gave up every step
+    longer than the lease though its lease was kept (a build resumed three times, never settled)."""
+    with pytest.raises(ValueError, match="heartbeat_throttle_seconds"):
+        Settings(_env_file=None, lease_seconds=60.0, renew_every_seconds=20.0, heartbeat_throttle_seconds=throttle)
+    assert Settings(_env_file=None, lease_seconds=60.0, renew_every_seconds=20.0,
+                    heartbeat_throttle_seconds=20.0).heartbeat_seconds == 20.0
