@@ -178,22 +178,49 @@ def asyncpg_dsn(url: str) -> str:
 _NEXT_HOST = (OSError, TimeoutError, asyncpg.TargetServerAttributeNotMatched, asyncpg.CannotConnectNowError)
 
 
+# For each multi-host DSN, its hosts in the order the next connection tries them: a host that answers as asked
+# moves to the front, one that does not (refused, timed out, or given up by its caller meanwhile) to the back.
+# After a failover, only the connections made before one reached the promoted host wait out the old primary gone
+# silent: a step bounded more tightly than that wait (a lease renewal, 5 s, against 5 s for each host) was
+# otherwise given up at the first host, every time.
+_HOST_ORDER: dict[str, list[str]] = {}
+
+
+def _tried(dsn: str, spec: str, *, answered: bool) -> None:
+    order = _HOST_ORDER[dsn]
+    if spec in order:
+        order.remove(spec)
+    if answered:
+        order.insert(0, spec)
+    else:
+        order.append(spec)
+
+
 async def connect_each_host(dsn: str, *, timeout: float, **kwargs: Any) -> asyncpg.Connection:
     """asyncpg.connect() with `timeout` for each host of the DSN in turn, as libpq's connect_timeout is: asyncpg's
     own timeout covers all the hosts at once, so a first host that accepts and never answers (a primary gone
-    silent after a failover) would use it all up and the promoted standby never be tried. The first host that
-    answers as `target_session_attrs` asks wins; otherwise the last host's error is raised. `prefer-standby`,
-    which weighs every host before choosing, is left to asyncpg."""
+    silent after a failover) would use it all up and the promoted standby never be tried. Hosts go in the order
+    of `_HOST_ORDER` (the DSN's at first). The first host that answers as `target_session_attrs` asks wins;
+    otherwise the last host's error is raised. `prefer-standby`, which weighs every host before choosing, is left
+    to asyncpg."""
     parsed = urls.parse(dsn)
     if len(parsed.hosts) <= 1 or ("target_session_attrs", "prefer-standby") in parsed.other_params():
         return await asyncpg.connect(dsn, timeout=timeout, **kwargs)
-    *earlier, (_, last) = parsed.one_host_each()
-    for host, candidate in earlier:
+    each_host = parsed.one_host_each()
+    order = _HOST_ORDER.setdefault(dsn, [host.spec for host, _ in each_host])
+    hosts = sorted(each_host, key=lambda each: order.index(each[0].spec) if each[0].spec in order else len(order))
+    for number, (host, candidate) in enumerate(hosts, start=1):
         try:
-            return await asyncpg.connect(candidate, timeout=timeout, **kwargs)
-        except _NEXT_HOST as exc:
+            conn: asyncpg.Connection = await asyncpg.connect(candidate, timeout=timeout, **kwargs)
+        except BaseException as exc:
+            _tried(dsn, host.spec, answered=False)
+            if number == len(hosts) or not isinstance(exc, _NEXT_HOST):
+                raise
             log.info("database host %s not taken (%s); trying the next", host.spec, type(exc).__name__)
-    return await asyncpg.connect(last, timeout=timeout, **kwargs)
+            continue
+        _tried(dsn, host.spec, answered=True)
+        return conn
+    raise AssertionError("unreachable: the last host's answer is returned or raised")
 
 
 async def connect_raw(url: str, bounds: Bounds | None = None) -> asyncpg.Connection:
