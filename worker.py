@@ -192,7 +192,10 @@ async def running_worker(
                 log.info("worker %s stops taking tasks; running steps have %g s to end", worker_id,
                          settings.shutdown_grace_seconds)
                 # Both at once: a queue still polled while the other shuts down would take back handed-back work.
-                await asyncio.gather(shared.shutdown(), own.shutdown(), admission.shutdown())
+                shutting_down = asyncio.gather(shared.shutdown(), own.shutdown(), admission.shutdown())
+                await asyncio.sleep(0)  # the shutdowns begin: no more polls
+                await activities.hand_back_between_steps()
+                await shutting_down
                 scavenger.cancel()
                 await asyncio.gather(scavenger, return_exceptions=True)
                 health.dispatcher = None  # asked to end: its end is no longer a failure

@@ -136,14 +136,21 @@ class ExportActivitiesBase:
         return keeper
 
     async def close(self) -> None:
-        """The worker shuts down: stop every lease keeper still renewing here. An attempt handed over between two
-        steps (built, its next step not begun here, and now never to begin here) is handed back as a build is: its
-        lease ends at once, so that recovery requeues it at its next run rather than a lease later. The statement
-        matches only a Running attempt of this holder: a Delivering one is left to lapse, for recovery to judge."""
+        """The worker has shut down: stop every lease keeper still renewing here, and hand back what waits between
+        two steps (`hand_back_between_steps`)."""
+        await self.hand_back_between_steps()
         for keeper in list(self.keepers.values()):
-            handed_over = keeper.handed_over
             await keeper.finish()
-            if not handed_over or keeper.holder is None:
+
+    async def hand_back_between_steps(self) -> None:
+        """The worker begins to shut down: an attempt handed over between two steps (built, its next step not begun
+        here, and now never to begin here) is handed back as a build is: its lease ends at once, so that recovery
+        requeues it at its next run rather than a lease later. At the start of the shutdown, not after it: that
+        waits for the uploads in flight, which do not stop for it. The statement matches only a Running attempt of
+        this holder: a Delivering one is left to lapse, for recovery to judge."""
+        for keeper in [keeper for keeper in self.keepers.values() if keeper.handed_over]:
+            await keeper.finish()
+            if keeper.holder is None:
                 continue
             try:
                 released = await self.store.release_lease(keeper.job_id, keeper.attempt_id, keeper.holder)
