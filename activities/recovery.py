@@ -46,6 +46,11 @@ log = logging.getLogger(__name__)
 
 # A recovery run's rounds nominate one after another: its look for runs that closed early is made once.
 _VIEW_CHECK_GAP_SECONDS = 1.0
+# That look lists runs until it has found `limit` that are their export's latest, reading at most this many times
+# `limit`: a run that a later one replaced still matches its query for the whole view window.
+_VIEW_LISTED_PER_LATEST = 10
+# Runs found replaced by a later one, remembered so as not to ask about them again (at most this many).
+_REPLACED_KEPT = 10_000
 
 # A step of recovery, the sweeper or the partner sweep on a worker that PostgreSQL does not answer fails within this
 # bound, and its retry goes to whichever worker polls first (workflows/recovery.py): none waits on a cut-off worker.
@@ -66,6 +71,7 @@ class RecoveryActivities:
         self._client = client
         self.view_window_seconds = view_window_seconds
         self._views_checked_at = -math.inf
+        self._replaced_runs: dict[str, None] = {}  # run IDs a later run of their export replaced, oldest first
         self._unanswered: str | None = None  # why PostgreSQL does not answer this worker, while it does not
         self._probe: asyncio.Task[None] | None = None
         self.follow_ups = FollowUp(recovery.engine)
@@ -139,28 +145,42 @@ class RecoveryActivities:
             return  # the rounds of one run nominate again at once: one look per run suffices
         self._views_checked_at = time.monotonic()
         since = datetime.now(UTC) - timedelta(seconds=self.view_window_seconds)
+        # A run that continued as new always has a later one; a terminated one that recovery had replaced still
+        # matches for the whole window: `limit` counts the latest runs found, not the runs listed (a batch of
+        # replaced runs hid the rest for up to a day).
         query = (f"WorkflowType = 'ExportWorkflow' AND ExecutionStatus != 'Running' AND "
+                 f"ExecutionStatus != 'ContinuedAsNew' AND "
                  f"({EXPORT_STATUS.name} IN ('Queued', 'Running', 'Delivering') OR {EXPORT_STATUS.name} IS NULL) AND "
                  f"CloseTime > '{since.strftime('%Y-%m-%dT%H:%M:%SZ')}'")
-        woken = 0
+        woken = latest_found = 0
         try:
             client = self._client or activity.client()
-            async for found in client.list_workflows(query, limit=limit):
+            async for found in client.list_workflows(query, limit=limit * _VIEW_LISTED_PER_LATEST,
+                                                     page_size=min(limit * 2, 1000)):
                 job_id = job_id_of(found.id)
-                if job_id is None:
+                if job_id is None or found.run_id in self._replaced_runs:
                     continue
                 latest = await client.get_workflow_handle(found.id).describe()
                 if latest.run_id != found.run_id:
+                    self._remember_replaced(found.run_id)
                     continue  # a later run tells
+                latest_found += 1
                 if await self.recovery.wake_behind_run(uuid.UUID(job_id)):
                     woken += 1
                     log.info("export %s: its last run (%s) closed showing %s; woken to read its row", job_id,
                              found.status.name if found.status else "?",
                              found.typed_search_attributes.get(EXPORT_STATUS))
+                if latest_found >= limit:
+                    break
         except Exception as exc:
             log.warning("recovery could not look for exports whose last run closed early: %s",
                         errors.describe(exc))
         metrics.VIEWS_BEHIND.inc(woken)
+
+    def _remember_replaced(self, run_id: str) -> None:
+        self._replaced_runs[run_id] = None
+        if len(self._replaced_runs) > _REPLACED_KEPT:
+            del self._replaced_runs[next(iter(self._replaced_runs))]
 
     @activity.defn
     async def take_over(self, candidate: Candidate) -> TakeoverOutput:

@@ -16,7 +16,7 @@ from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, Wor
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
-from activities.contracts import ExportResult
+from activities.contracts import ExportResult, RecoveryInput, RecoveryReport
 from store.models import Status
 from tests.helpers.crash import processes, recorded_for, start_worker, wait_lease_expired
 from tests.helpers.harness import Harness, held_at, run_recovery
@@ -182,3 +182,52 @@ async def test_a_raw_start_naming_an_unknown_destination_fails_with_the_clis_lin
     assert cause.message == "the export was not created: no such destination for this tenant", cause.message
     for table in ("export_jobs", "deliveries", "outbox", "export_attempt_events"):
         assert await h.db.admin.fetchval(f"SELECT count(*) FROM {table}") == 0, table
+
+
+async def _recovery(h: Harness, limit: int) -> RecoveryReport:
+    return await asyncio.wait_for(h.client.execute_workflow(
+        "RecoveryWorkflow", RecoveryInput(limit=limit), id=f"recovery-{uuid.uuid4().hex[:8]}",
+        task_queue=h.settings.task_queue, result_type=RecoveryReport), 30)
+
+
+@pytest.mark.spec("LV7", "FG2")
+async def test_terminated_queued_exports_beyond_one_batch_are_each_replaced(harness: Harness):
+    """Two exports terminated while Queued, recovery's batch of one. The first run replaces one of them; the next
+    run must replace the other (LV7: within one recovery interval; here, two). The replaced export's old,
+    terminated run still matches recovery's visibility query (it closed showing Queued), and is only skipped once
+    listed: it took the batch's one place, and the other export was never found (seen failing so; the look now
+    counts the latest runs it finds, not the runs it lists)."""
+    h = harness
+    await h.db.admin.execute("REVOKE SELECT ON destinations FROM exports_app")
+    jobs = []
+    try:
+        for _ in range(2):
+            job_id = await h.create()
+            handle = h.client.get_workflow_handle(export_workflow_id(job_id))
+
+            async def claim_failed() -> bool:
+                try:
+                    history = await handle.fetch_history()
+                except RPCError:
+                    return False
+                return any(e.HasField("activity_task_failed_event_attributes") for e in history.events)
+
+            await eventually(claim_failed, bool, timeout=30, interval=0.1, what="the claim step failed")
+            await handle.terminate(reason="simulating a crash")
+            jobs.append(job_id)
+            await asyncio.sleep(1.1)  # distinct close times
+    finally:
+        await h.db.admin.execute("GRANT SELECT ON destinations TO exports_app")
+
+    for _ in range(3):  # three recovery intervals
+        await asyncio.sleep(1.5)  # beyond the activity's one-look-per-run gap
+        await _recovery(h, limit=1)
+        await asyncio.sleep(3.0)  # a woken export is claimed and delivered well within this
+    rows = {j: (await h.store.read_job(j)).status for j in jobs}
+    views = {}
+    for j in jobs:
+        d = await h.client.get_workflow_handle(export_workflow_id(j)).describe()
+        views[j] = (d.status, d.typed_search_attributes.get(EXPORT_STATUS))
+    assert all(s is Status.COMPLETED for s in rows.values()), (
+        f"after three recovery runs (batch 1) rows are {[(str(j)[:8], s.value) for j, s in rows.items()]}, latest "
+        f"runs {[(str(j)[:8], v[0].name if v[0] else None, v[1]) for j, v in views.items()]}")
