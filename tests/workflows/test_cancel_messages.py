@@ -41,6 +41,23 @@ async def _task_failures(handle) -> list[str]:
             if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED]
 
 
+async def _answered(h, handle, request_id: uuid.UUID | None = None) -> CancellationResult:
+    """The cancel Update's answer; without one, the failure names the run's failed workflow tasks (the stall)."""
+    try:
+        return await asyncio.wait_for(handle.execute_update(
+            "cancel", _request(h, request_id), result_type=CancellationResult), timeout=BOUND)
+    except (TimeoutError, WorkflowUpdateFailedError, RPCError) as exc:
+        failures = await _task_failures(handle)
+        pytest.fail(f"the cancel Update got no answer ({exc!r}); workflow task failures: {failures[:1]}")
+
+
+async def _terminated(handle) -> None:
+    try:
+        await handle.terminate("test over")
+    except RPCError:
+        pass
+
+
 @pytest.mark.spec("LD7")
 @pytest.mark.parametrize("args", [[], [{"request_id": "a"}, {"request_id": "b"}]], ids=["no-input", "two-inputs"])
 async def test_a_cancel_signal_with_the_wrong_number_of_inputs_is_refused_and_the_next_cancel_still_records(
@@ -48,49 +65,30 @@ async def test_a_cancel_signal_with_the_wrong_number_of_inputs_is_refused_and_th
     async with AsyncExitStack() as stack:
         h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False, early_patches=EARLY)
         job_id, handle = await _waiting_run(h)
+        stack.push_async_callback(_terminated, handle)
+        await handle.signal("cancel", args=args)
+        request_id = uuid.uuid4()
+        await handle.signal("cancel", _request(h, request_id))
         try:
-            await handle.signal("cancel", args=args)
-            request_id = uuid.uuid4()
-            await handle.signal("cancel", _request(h, request_id))
-            try:
-                row = await eventually(lambda: h.store.read_job(job_id), lambda r: r.stop_request_id is not None,
-                                       timeout=30, interval=0.2, what="the valid cancel after the bad one")
-            except (AssertionError, TimeoutError) as exc:
-                failures = await _task_failures(handle)
-                pytest.fail(f"the valid cancel was never recorded; workflow task failures: {failures[:1]} ({exc})")
-            assert row.stop_request_id == request_id
-            # and the Update path is still open
-            answer = await asyncio.wait_for(handle.execute_update(
-                "cancel", _request(h), result_type=CancellationResult), timeout=BOUND)
-            assert answer.outcome.value == "StopAlreadyRequested", answer
-            assert await _task_failures(handle) == []
-        finally:
-            try:
-                await handle.terminate("test over")
-            except RPCError:
-                pass
+            row = await eventually(lambda: h.store.read_job(job_id), lambda r: r.stop_request_id is not None,
+                                   timeout=30, interval=0.2, what="the valid cancel after the bad one")
+        except (AssertionError, TimeoutError) as exc:
+            failures = await _task_failures(handle)
+            pytest.fail(f"the valid cancel was never recorded; workflow task failures: {failures[:1]} ({exc})")
+        assert row.stop_request_id == request_id
+        # and the Update path is still open
+        assert (await _answered(h, handle)).outcome.value == "StopAlreadyRequested"
+        assert await _task_failures(handle) == []
 
 
 @pytest.mark.spec("LD7")
 async def test_a_wake_signal_with_no_input_does_not_stall_the_run(db, store, client, tmp_path):
     async with AsyncExitStack() as stack:
         h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False, early_patches=EARLY)
-        job_id, handle = await _waiting_run(h)
-        try:
-            await handle.signal("wake")
-            request_id = uuid.uuid4()
-            try:
-                answer = await asyncio.wait_for(handle.execute_update(
-                    "cancel", _request(h, request_id), result_type=CancellationResult), timeout=BOUND)
-            except (TimeoutError, WorkflowUpdateFailedError, RPCError) as exc:
-                failures = await _task_failures(handle)
-                pytest.fail(f"the cancel Update got no answer ({exc!r}); workflow task failures: {failures[:1]}")
-            assert answer.outcome.value == "StopRequested", answer
-        finally:
-            try:
-                await handle.terminate("test over")
-            except RPCError:
-                pass
+        _, handle = await _waiting_run(h)
+        stack.push_async_callback(_terminated, handle)
+        await handle.signal("wake")
+        assert (await _answered(h, handle)).outcome.value == "StopRequested"
 
 
 @pytest.mark.spec("LD7")
@@ -98,26 +96,14 @@ async def test_the_temporal_cli_signal_without_input_does_not_stall_the_run(db, 
     """As an operator types it: `temporal workflow signal --name cancel` and forgets `--input`."""
     async with AsyncExitStack() as stack:
         h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False, early_patches=EARLY)
-        job_id, handle = await _waiting_run(h)
-        try:
-            done = await asyncio.to_thread(subprocess.run, [temporal_binary(), "workflow", "signal",
-                                   "--address", client.service_client.config.target_host,
-                                   "--namespace", client.namespace, "--workflow-id", handle.id, "--name", "cancel"],
-                                  capture_output=True, text=True, timeout=60)
-            assert done.returncode == 0, done
-            try:
-                answer = await asyncio.wait_for(handle.execute_update(
-                    "cancel", _request(h), result_type=CancellationResult), timeout=BOUND)
-            except (TimeoutError, WorkflowUpdateFailedError, RPCError) as exc:
-                failures = await _task_failures(handle)
-                pytest.fail(f"the cancel Update got no answer ({exc!r}); workflow task failures: {failures[:1]}")
-            assert answer.outcome.value == "StopRequested", answer
-        finally:
-            try:
-                await handle.terminate("test over")
-            except RPCError:
-                pass
-
+        _, handle = await _waiting_run(h)
+        stack.push_async_callback(_terminated, handle)
+        done = await asyncio.to_thread(subprocess.run, [
+            temporal_binary(), "workflow", "signal", "--address", client.service_client.config.target_host,
+            "--namespace", client.namespace, "--workflow-id", handle.id, "--name", "cancel"],
+            capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done
+        assert (await _answered(h, handle)).outcome.value == "StopRequested"
 
 
 @pytest.mark.spec("LD7")
@@ -132,24 +118,18 @@ async def test_a_cancel_update_in_the_runs_first_workflow_task_is_taken(db, stor
         handle = await client.start_workflow("ExportWorkflow", ExportInput(job_id=job_id),
                                              id=export_workflow_id(job_id), task_queue=h.settings.task_queue,
                                              result_type=ExportResult, priority=Priority(fairness_key=str(h.tenant_id)))
-        try:
-            request_id = uuid.uuid4()
-            # The operator's Update, sent before any worker has taken the run's first task.
-            update = asyncio.ensure_future(handle.execute_update("cancel", _request(h, request_id),
-                                                                  result_type=CancellationResult))
-            await asyncio.sleep(2.0)
-            async with running_worker(h.settings, client, with_dispatcher=False):
-                try:
-                    answer = await asyncio.wait_for(update, timeout=BOUND)
-                except WorkflowUpdateFailedError as err:
-                    raise AssertionError(f"the run refused the Update: {err.cause!r}") from err
-                assert answer.request_id == request_id and answer.outcome.value == "StopRequested", answer
-        finally:
+        stack.push_async_callback(_terminated, handle)
+        request_id = uuid.uuid4()
+        # The operator's Update, sent before any worker has taken the run's first task.
+        update = asyncio.ensure_future(handle.execute_update("cancel", _request(h, request_id),
+                                                              result_type=CancellationResult))
+        await asyncio.sleep(2.0)
+        async with running_worker(h.settings, client, with_dispatcher=False):
             try:
-                await handle.terminate("test over")
-            except RPCError:
-                pass
-
+                answer = await asyncio.wait_for(update, timeout=BOUND)
+            except WorkflowUpdateFailedError as err:
+                raise AssertionError(f"the run refused the Update: {err.cause!r}") from err
+            assert answer.request_id == request_id and answer.outcome.value == "StopRequested", answer
 
 
 def _as(h, request_id, operator):
@@ -166,23 +146,18 @@ async def test_a_request_id_reused_by_another_operator_is_answered_as_the_row_an
     async with AsyncExitStack() as stack:
         h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False, early_patches=EARLY)
         job_id, handle = await _waiting_run(h)
-        try:
-            x = uuid.uuid4()
-            first = await asyncio.wait_for(handle.execute_update("cancel", _as(h, x, "ann@example.com"),
-                                                                 result_type=CancellationResult), timeout=BOUND)
-            assert first.outcome.value == "StopRequested", first
-            # What the row says to the same request ID from another operator (as `exports cancel` asks it):
-            by_row = await h.store.request_cancellation(tenant_id=h.tenant_id, job_id=job_id, request_id=x,
-                                                        requested_by="mallory@example.com", reason=None)
-            assert by_row.outcome.value == "RequestIdReused", by_row
-            by_run = await asyncio.wait_for(handle.execute_update("cancel", _as(h, x, "mallory@example.com"),
-                                                                  result_type=CancellationResult), timeout=BOUND)
-            assert by_run.outcome == by_row.outcome, f"the run answered {by_run.outcome}, the row {by_row.outcome}"
-        finally:
-            try:
-                await handle.terminate("test over")
-            except RPCError:
-                pass
+        stack.push_async_callback(_terminated, handle)
+        x = uuid.uuid4()
+        first = await asyncio.wait_for(handle.execute_update("cancel", _as(h, x, "ann@example.com"),
+                                                             result_type=CancellationResult), timeout=BOUND)
+        assert first.outcome.value == "StopRequested", first
+        # What the row says to the same request ID from another operator (as `exports cancel` asks it):
+        by_row = await h.store.request_cancellation(tenant_id=h.tenant_id, job_id=job_id, request_id=x,
+                                                    requested_by="mallory@example.com", reason=None)
+        assert by_row.outcome.value == "RequestIdReused", by_row
+        by_run = await asyncio.wait_for(handle.execute_update("cancel", _as(h, x, "mallory@example.com"),
+                                                              result_type=CancellationResult), timeout=BOUND)
+        assert by_run.outcome == by_row.outcome, f"the run answered {by_run.outcome}, the row {by_row.outcome}"
 
 
 @pytest.mark.spec("LD7")
@@ -190,6 +165,7 @@ async def test_the_operator_whose_request_was_recorded_is_not_told_it_was_reused
     async with AsyncExitStack() as stack:
         h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False, early_patches=EARLY)
         job_id, handle = await _waiting_run(h)
+        stack.push_async_callback(_terminated, handle)
         locker = await lock_row(asyncpg_dsn(h.db.url("owner")), job_id)
         try:
             # Another request keeps the run's recording step busy (the row is locked), so the next two wait together.
@@ -205,21 +181,15 @@ async def test_the_operator_whose_request_was_recorded_is_not_told_it_was_reused
             await asyncio.sleep(1.5)
         finally:
             await unlock_row(locker)
-        try:
-            ann_answer = await asyncio.wait_for(ann.result(), timeout=BOUND)
-            mallory_answer = await asyncio.wait_for(mallory.result(), timeout=BOUND)
-            record = await _recorded(h, x)
-            assert record is not None
-            assert record["requested_by"] == "ann@example.com", record
-            # ann's request is the one recorded: her answer must be its recorded outcome.
-            assert ann_answer.outcome.value == record["outcome"], (
-                f"ann told {ann_answer.outcome.value}, recorded {record['outcome']} for her; "
-                f"mallory told {mallory_answer.outcome.value}")
-        finally:
-            try:
-                await handle.terminate("test over")
-            except RPCError:
-                pass
+        ann_answer = await asyncio.wait_for(ann.result(), timeout=BOUND)
+        mallory_answer = await asyncio.wait_for(mallory.result(), timeout=BOUND)
+        record = await _recorded(h, x)
+        assert record is not None
+        assert record["requested_by"] == "ann@example.com", record
+        # ann's request is the one recorded: her answer must be its recorded outcome.
+        assert ann_answer.outcome.value == record["outcome"], (
+            f"ann told {ann_answer.outcome.value}, recorded {record['outcome']} for her; "
+            f"mallory told {mallory_answer.outcome.value}")
 
 
 @pytest.mark.spec("LD7")

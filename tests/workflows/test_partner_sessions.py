@@ -39,6 +39,28 @@ class HoldFirst(Checkpoints):
             await asyncio.sleep(0.2)
 
 
+class MostConnections:
+    """The most connections the partner had open at once while watched (sampled every 20 ms), for messages."""
+
+    def __init__(self, h) -> None:  # type: ignore[no-untyped-def]
+        self.h = h
+        self.most = 0
+        self._watch: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> MostConnections:
+        self._watch = asyncio.create_task(self._watching())
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+
+    async def _watching(self) -> None:
+        while True:
+            self.most = max(self.most, self.h.partner.open_connections)
+            await asyncio.sleep(0.02)
+
+
 async def _status(h, job_id):  # type: ignore[no-untyped-def]
     row = await h.store.read_job(job_id)
     return None if row is None else row.status
@@ -149,15 +171,7 @@ async def test_an_upload_that_lost_its_lease_keeps_its_session_and_upload_slot_w
         await set_contract(h, max_sessions=1)
         hold = HoldOnce(BEFORE_RENAME_FENCE)
         h.activities.checkpoints = hold
-        most_connections = 0
-
-        async def count_connections() -> None:
-            nonlocal most_connections
-            while True:
-                most_connections = max(most_connections, h.partner.open_connections)
-                await asyncio.sleep(0.02)
-
-        counter = asyncio.create_task(count_connections())
+        seen = await stack.enter_async_context(MostConnections(h))
         try:
             first = await h.create()
             await asyncio.wait_for(hold.held.wait(), 60)
@@ -167,8 +181,8 @@ async def test_an_upload_that_lost_its_lease_keeps_its_session_and_upload_slot_w
                 lambda n: n >= 1, timeout=60, what="the second export built")
             await asyncio.sleep(2)
             assert await _status(h, second) is Status.RUNNING  # waiting for the session, as it should
-            most_connections = h.partner.open_connections
-            print(f"\nbefore the takeover: partner connections open {most_connections}, upload slots in use "
+            seen.most = h.partner.open_connections
+            print(f"\nbefore the takeover: partner connections open {seen.most}, upload slots in use "
                   f"{h.activities.capacity.uploads.in_use}")
             kind = await take_back_as_recovery_would(h, first)
             assert kind == "RequeuedByRecovery", kind
@@ -176,14 +190,13 @@ async def test_an_upload_that_lost_its_lease_keeps_its_session_and_upload_slot_w
             await asyncio.sleep(6)
             status = await _status(h, second)
             print(f"6 s after the takeover, A still uploading: B is {status}; partner connections seen at once "
-                  f"{most_connections}; upload slots in use {h.activities.capacity.uploads.in_use}; "
+                  f"{seen.most}; upload slots in use {h.activities.capacity.uploads.in_use}; "
                   f"partner_sessions {[dict(r) for r in await db.admin.fetch('SELECT * FROM partner_sessions')]}")
             assert status is Status.RUNNING, (
                 f"B went past cutoff 2 ({status}) while A's upload still held the partner's only session and the "
-                f"worker's only upload slot; partner connections open at once: {most_connections}")
+                f"worker's only upload slot; partner connections open at once: {seen.most}")
         finally:
             hold.release.set()
-            counter.cancel()
 
 
 class HoldDeliverStartThenFence(Checkpoints):
@@ -234,15 +247,7 @@ async def test_a_deliver_that_starts_after_the_hand_over_window_waits_for_its_se
         window = LEASE + 1.0 + 1.0 + 10.0
         hold = HoldDeliverStartThenFence(window + 4)
         h.activities.checkpoints = hold
-        most_connections = 0
-
-        async def count_connections() -> None:
-            nonlocal most_connections
-            while True:
-                most_connections = max(most_connections, h.partner.open_connections)
-                await asyncio.sleep(0.02)
-
-        counter = asyncio.create_task(count_connections())
+        seen = await stack.enter_async_context(MostConnections(h))
         try:
             first = await h.create()
             await asyncio.wait_for(hold.first_held.wait(), 60)
@@ -255,13 +260,12 @@ async def test_a_deliver_that_starts_after_the_hand_over_window_waits_for_its_se
             a = await _status(h, first)
             print(f"5 s later: A is {a}, B is {await _status(h, second)} (held in its upload: "
                   f"{hold.fence_held.is_set() and not hold.release.is_set()}); partner connections at once "
-                  f"{most_connections}; upload slots in use {h.activities.capacity.uploads.in_use}")
+                  f"{seen.most}; upload slots in use {h.activities.capacity.uploads.in_use}")
             assert not (b_at_fence and a is Status.COMPLETED), (
                 "A uploaded (Completed) while B held the partner's only session in its upload: "
-                f"{most_connections} connections at the partner at once")
+                f"{seen.most} connections at the partner at once")
         finally:
             hold.release.set()
-            counter.cancel()
 
 
 @pytest.mark.spec("LD3")

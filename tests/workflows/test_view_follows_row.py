@@ -105,6 +105,21 @@ async def test_terminated_then_its_worker_killed_after_cutoff_2__recovery_makes_
     assert outbound_names(h.partner) == [row.final_name]
 
 
+async def _claim_failed(h: Harness, job_id: uuid.UUID) -> WorkflowHandle:
+    """The export's run, once its claim step has failed (the application role lost a grant): waiting for a wake-up."""
+    handle = h.client.get_workflow_handle(export_workflow_id(job_id))
+
+    async def claim_failed() -> bool:
+        try:
+            history = await handle.fetch_history()
+        except RPCError:
+            return False  # the dispatcher has not started the workflow yet
+        return any(e.HasField("activity_task_failed_event_attributes") for e in history.events)
+
+    await eventually(claim_failed, bool, timeout=BOUND, interval=0.1, what="the claim step failed")
+    return handle
+
+
 @pytest.mark.spec("LV7", "FG2")
 async def test_terminated_while_queued__recovery_wakes_it_and_it_is_delivered(harness: Harness):
     """The run's claim step fails for good (the application role lost a grant) and the run waits for a wake-up;
@@ -114,16 +129,7 @@ async def test_terminated_while_queued__recovery_wakes_it_and_it_is_delivered(ha
     await h.db.admin.execute("REVOKE SELECT ON destinations FROM exports_app")
     try:
         job_id = await h.create()
-        handle = h.client.get_workflow_handle(export_workflow_id(job_id))
-
-        async def claim_failed() -> bool:
-            try:
-                history = await handle.fetch_history()
-            except RPCError:
-                return False  # the dispatcher has not started the workflow yet
-            return any(e.HasField("activity_task_failed_event_attributes") for e in history.events)
-
-        await eventually(claim_failed, bool, timeout=BOUND, interval=0.1, what="the claim step failed")
+        handle = await _claim_failed(h, job_id)
         first = await run_id(h, job_id)
         await handle.terminate(reason="simulating a crash")
     finally:
@@ -203,16 +209,7 @@ async def test_terminated_queued_exports_beyond_one_batch_are_each_replaced(harn
     try:
         for _ in range(2):
             job_id = await h.create()
-            handle = h.client.get_workflow_handle(export_workflow_id(job_id))
-
-            async def claim_failed() -> bool:
-                try:
-                    history = await handle.fetch_history()
-                except RPCError:
-                    return False
-                return any(e.HasField("activity_task_failed_event_attributes") for e in history.events)
-
-            await eventually(claim_failed, bool, timeout=30, interval=0.1, what="the claim step failed")
+            handle = await _claim_failed(h, job_id)
             await handle.terminate(reason="simulating a crash")
             jobs.append(job_id)
             await asyncio.sleep(1.1)  # distinct close times
