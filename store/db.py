@@ -208,7 +208,7 @@ async def connect_each_host(dsn: str, *, timeout: float, **kwargs: Any) -> async
         return await asyncpg.connect(dsn, timeout=timeout, **kwargs)
     each_host = parsed.one_host_each()
     order = _HOST_ORDER.setdefault(dsn, [host.spec for host, _ in each_host])
-    hosts = sorted(each_host, key=lambda each: order.index(each[0].spec) if each[0].spec in order else len(order))
+    hosts = sorted(each_host, key=lambda each: order.index(each[0].spec))
     for number, (host, candidate) in enumerate(hosts, start=1):
         try:
             conn: asyncpg.Connection = await asyncpg.connect(candidate, timeout=timeout, **kwargs)
