@@ -29,8 +29,11 @@ class HoldFirst(Checkpoints):
         self.held = asyncio.Event()
         self.release = asyncio.Event()
 
+    def _passes(self, job_id: uuid.UUID) -> bool:
+        return self.job is not None and self.job != job_id
+
     async def reached(self, name: str, job_id: uuid.UUID) -> None:
-        if name != self.name or (self.job is not None and self.job != job_id):
+        if name != self.name or self._passes(job_id):
             return
         self.job = job_id
         self.held.set()
@@ -106,23 +109,12 @@ async def test_an_export_waiting_for_a_session_goes_on_once_the_limit_is_cleared
         assert all(row.status is Status.COMPLETED for row in rows), [row.status for row in rows]
 
 
-class HoldOnce(Checkpoints):
-    """Holds the first attempt to reach `name` there (heartbeating) until `release` is set; later ones pass."""
+class HoldOnce(HoldFirst):
+    """Holds the first attempt to reach `name` there (heartbeating) until `release` is set; later ones pass, its
+    export's next attempt too."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.job: uuid.UUID | None = None
-        self.held = asyncio.Event()
-        self.release = asyncio.Event()
-
-    async def reached(self, name: str, job_id: uuid.UUID) -> None:
-        if name != self.name or self.held.is_set():
-            return
-        self.job = job_id
-        self.held.set()
-        while not self.release.is_set():
-            heartbeat()
-            await asyncio.sleep(0.2)
+    def _passes(self, job_id: uuid.UUID) -> bool:
+        return self.held.is_set()
 
 
 def _positional(sql: str, names: list[str]) -> str:
