@@ -40,7 +40,7 @@ from activities.export_base import activity_methods, hand_over_window
 from activities.lease import heartbeating
 from activities.process import metrics
 from store import errors
-from store.models import ClaimResult, Status
+from store.models import ClaimResult, JobRow, Status
 from workflows.identity import EXPORT_WORKFLOW_PREFIX
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,9 @@ _CLAIM_STEP: contextvars.ContextVar[ClaimStep | None] = contextvars.ContextVar("
 _DESTINATION_WAIT = 90.0
 # How often a claim waiting there heartbeats: well within its heartbeat timeout (workflows/export.py).
 _DESTINATION_HEARTBEAT = 10.0
+# How many attempts a run's read marks as waited on, when each it finds Delivering has been replaced by the next
+# meanwhile; past that the run waits with only its idle recheck.
+_WAIT_MARK_TRIES = 3
 
 
 class ExportActivities(BuildActivities, DeliveryActivities):
@@ -167,8 +170,11 @@ class ExportActivities(BuildActivities, DeliveryActivities):
                 type=error_types.DESTINATION_BUSY, next_retry_delay=timedelta(seconds=1))
 
     async def _evaluate(self, job_id: UUID) -> Evaluation:
-        """Reads and decides; its only write is the conditional rejection, so a repeated wake-up is harmless."""
+        """Reads and decides; its writes are the conditional rejection and the mark of a run that waits on an
+        upload, so a repeated wake-up is harmless."""
         row, destination = await self.store.read_job_and_destination(job_id)
+        if row is not None and row.status is Status.DELIVERING:
+            return Evaluation(row=await self._waiting_on_upload(row))
         if row is None or row.status is not Status.QUEUED:
             return Evaluation(row=row)
         if destination is None:
@@ -187,6 +193,20 @@ class ExportActivities(BuildActivities, DeliveryActivities):
         if await self.store.reject(row.id, row.version, reason[:MAX_REASON]):
             log.info("export %s rejected at version %s: %s", row.id, row.version, reason)
         return Evaluation(row=await self.store.read_job(row.id), reason=reason)
+
+    async def _waiting_on_upload(self, row: JobRow) -> JobRow | None:
+        """The run will wait for a wake-up on a `Delivering` row: its attempt's terminal write is to write one, which
+        that upload cannot always know to do (Temporal gave its step up while its heartbeats went nowhere). A row
+        that moved on meanwhile is returned as it is now, or marked again if another attempt delivers by then."""
+        for _ in range(_WAIT_MARK_TRIES):
+            assert row.attempt_id is not None  # a Delivering row names its attempt
+            if await self.store.run_waits_for_upload(row.id, row.attempt_id):
+                return row
+            again = await self.store.read_job(row.id)
+            if again is None or again.status is not Status.DELIVERING or again.attempt_id == row.attempt_id:
+                return again
+            row = again
+        return row
 
     async def _claim(self, job_id: UUID, checked_version: int, attempt_id: UUID) -> ClaimOutput:
         await self.checkpoints.reached(checkpoints.CLAIM, job_id)

@@ -30,6 +30,7 @@ EXHAUSTED = "AttemptsExhausted"
 # How recovery_take_back.sql says an attempt it took back was lost (its event's detail), besides `lost alone` and
 # `lost with its worker`.
 LOST_AMID_OTHERS = "lost amid other workers' losses"
+HANDED_BACK = "handed back by its worker"
 
 _RESOLUTIONS = (Status.COMPLETED, Status.OUTCOME_UNKNOWN)
 

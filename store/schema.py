@@ -82,6 +82,10 @@ export_jobs = Table(
     Column("rename_fence", Text),  # migration 0010: NULL, open (at cutoff 2) or passed (right before the rename)
     # migration 0013: attempts handed back by their worker before the rename (they do not count toward the cap)
     Column("handed_back_count", Integer, nullable=False),
+    # migration 0017: the attempt whose upload a run waits on (its terminal write wakes the run)
+    Column("run_waits_for", UUID(as_uuid=True)),
+    # migration 0018: the last attempt whose hand-back was counted
+    Column("handed_back_attempt", UUID(as_uuid=True)),
 )
 
 deliveries = Table(

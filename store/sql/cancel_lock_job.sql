@@ -4,6 +4,7 @@ SELECT id, tenant_id, status, version, destination_id, attempt_id, attempt_count
        lease_expires_at, stop_request_id, cancellation_request_id, expected_file_name,
        expected_file_bytes, expected_file_sha256, delivery_authorized_at, woken_at, failure_reason,
        delivery_key, replaces_job_id, created_by, replacement_reason, overwrite_agreement_ref,
-       sweep_count, confirmed_by, rejection_reason, final_name, rename_fence, handed_back_count
+       sweep_count, confirmed_by, rejection_reason, final_name, rename_fence, handed_back_count, run_waits_for,
+       handed_back_attempt
 FROM export_jobs WHERE id = :job_id AND tenant_id = :tenant_id
 FOR UPDATE;

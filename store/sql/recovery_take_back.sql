@@ -3,19 +3,21 @@
 -- a new outbox row; at a cap it fails AttemptsExhausted. Each cap is counted here only, by how the export's attempts
 -- were lost (this one as recovery_loss.sql judged it, the earlier ones as their events say): alone
 -- (EXPORTS_MAX_ATTEMPTS), with their worker (EXPORTS_MAX_SHARED_LOSSES), amid other workers' losses
--- (EXPORTS_MAX_LOSSES_AMID_OTHERS), or handed back by their own worker (EXPORTS_MAX_HAND_BACKS). Its answer is the
--- event it recorded, which names the worker that lost the attempt and how.
-WITH this_loss AS (
-    SELECT CASE WHEN :amid_others THEN 'lost amid other workers'' losses'
-                WHEN :with_its_worker THEN 'lost with its worker'
-                ELSE 'lost alone' END AS detail),
-taken AS (
+-- (EXPORTS_MAX_LOSSES_AMID_OTHERS), or handed back by their own worker (EXPORTS_MAX_HAND_BACKS; counted on the row,
+-- and named there, so that such an attempt is recorded as handed back and counted under no other cap, however
+-- recovery_loss.sql judged it). Its answer is the event it recorded, which names the worker that lost the attempt
+-- and how.
+WITH taken AS (
     SELECT j.id, j.attempt_id, this_loss.detail,
            (j.attempt_count - j.handed_back_count - lost.with_its_worker - lost.amid_others >= :max_attempts
             OR lost.with_its_worker >= :max_shared_losses
             OR lost.amid_others >= :max_losses_amid_others
             OR j.handed_back_count >= :max_hand_backs) AS at_a_cap
-    FROM export_jobs j, this_loss,
+    FROM export_jobs j,
+         LATERAL (SELECT CASE WHEN j.handed_back_attempt = j.attempt_id THEN 'handed back by its worker'
+                              WHEN :amid_others THEN 'lost amid other workers'' losses'
+                              WHEN :with_its_worker THEN 'lost with its worker'
+                              ELSE 'lost alone' END AS detail) this_loss,
          -- The export's earlier losses and this one.
          LATERAL (SELECT count(*) FILTER (WHERE detail = 'lost with its worker') AS with_its_worker,
                          count(*) FILTER (WHERE detail = 'lost amid other workers'' losses') AS amid_others

@@ -2,7 +2,8 @@
 the server, by a close (the client reads the end of the stream) or a reset (an RST); later ones pass through byte
 for byte. So a client sees what a server dropping excess connections (OpenSSH's MaxStartups) or a flaky link shows
 it. `events` records, in the order of acceptance, what became of each connection. `go_silent` stops it forwarding
-either way without closing anything (a network that drops packets) until `heal`."""
+either way without closing anything (a network that drops packets) until `heal`; `go_down` resets every connection
+and every new one until then, as a server that stopped does (its host answers with a reset)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class TcpCutProxy:
         self._tasks: set[asyncio.Task[None]] = set()
         self._flowing = asyncio.Event()  # cleared while silent
         self._flowing.set()
+        self._down = False
 
     @property
     def accepted(self) -> int:
@@ -57,8 +59,15 @@ class TcpCutProxy:
         is closed, until heal()."""
         self._flowing.clear()
 
+    def go_down(self) -> None:
+        """Every open connection is reset, and every new one, until heal()."""
+        self._down = True
+        for writer in list(self._writers):
+            writer.transport.abort()
+
     def heal(self) -> None:
-        """What was held is forwarded, as TCP retransmits it, and forwarding goes on."""
+        """What was held is forwarded, as TCP retransmits it, and forwarding goes on; connections are taken again."""
+        self._down = False
         self._flowing.set()
 
     async def stop(self) -> None:
@@ -86,6 +95,12 @@ class TcpCutProxy:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self._flowing.wait()
+        if self._down:
+            self.events.append("refused")
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+            writer.transport.abort()
+            return
         if self.accepted < self.cut_first:
             self.events.append("cut")
             log.info("proxy: cutting connection %d (%s)", self.accepted, self.how)
@@ -132,3 +147,9 @@ class TcpCutProxy:
             for writer in (to, other):
                 writer.close()
                 self._writers.discard(writer)
+
+
+def temporal_upstream(client: Any) -> tuple[str, int]:
+    """Where a Temporal client connects: the upstream of a proxy put in a worker's way to the server."""
+    host, port = client.service_client.config.target_host.rsplit(":", 1)
+    return host, int(port)

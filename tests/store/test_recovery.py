@@ -15,13 +15,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from store.jobs import JobStore
 from store.models import AuthorizationResult, BuiltFile, CancellationOutcome, ClaimResult, JobRow, Status
-from store.recovery import EXHAUSTED, LOST_AMID_OTHERS, REQUEUED, STOPPED, Candidate, Recovery
+from store.recovery import EXHAUSTED, HANDED_BACK, LOST_AMID_OTHERS, REQUEUED, STOPPED, Candidate, Recovery
 from store.statements import statement
 from tests.helpers.events import events, kinds
 from tests.helpers.store_states import drive, expire, outbox
 from tests.helpers.support import create_job, eventually
 
 RUN = "recovery-run-1"
+TAKE_BACK = "WITH taken AS ("  # recovery_take_back.sql (within its first kB, which pg_stat_activity keeps)
 WAIT = 5.0  # every wait in this module is bounded by this many seconds
 
 
@@ -195,7 +196,7 @@ async def test_authorization_holding_the_row_makes_the_requeue_wait_then_match_n
         await eventually(lambda: lease_current(db, job.id), lambda current: current is False, timeout=WAIT,
                          what="lease expiry")
         requeue = asyncio.create_task(recovery.take_back(job.id, attempt_id, RUN))
-        await blocked_by(db, pid, "this_loss AS (")
+        await blocked_by(db, pid, TAKE_BACK)
         await conn.commit()
     assert await asyncio.wait_for(requeue, WAIT) is None
     row = await store.read_job(job.id)
@@ -259,7 +260,7 @@ async def test_uncommitted_renewal_makes_the_takeover_wait_and_reevaluate(db, st
     async with held(app_engine, "renew_lease", job_id=job.id, attempt_id=attempt_id, holder=None,
                     lease_seconds=5.0) as (conn, pid):
         takeover = asyncio.create_task(recovery.take_over_running(candidate, RUN))
-        await blocked_by(db, pid, "this_loss AS (")
+        await blocked_by(db, pid, TAKE_BACK)
         await conn.commit()
     assert await asyncio.wait_for(takeover, WAIT) is None
     row = await store.read_job(job.id)
@@ -513,7 +514,7 @@ async def test_the_fence_and_the_take_back_wait_for_each_other_and_one_wins(db, 
     await expire(db, job.id)
     async with held(app_engine, "pass_rename_fence", **fence_params(job, attempt_id)) as (conn, pid):
         requeue = asyncio.create_task(recovery.take_back(job.id, attempt_id, RUN))
-        await blocked_by(db, pid, "this_loss AS (")
+        await blocked_by(db, pid, TAKE_BACK)
         await conn.commit()
     assert await asyncio.wait_for(requeue, WAIT) is None
     assert (await store.read_job(job.id)).status is Status.DELIVERING and await fence(db, job.id) == "passed"
@@ -717,3 +718,35 @@ async def test_a_job_that_kills_every_worker_it_meets_keeps_the_cap_its_neighbou
         assert (await losses(db, neighbours[-1]))[-1][2] == ("lost with its worker" if life == 1 else LOST_AMID_OTHERS)
     assert (await store.read_job(poison)).failure_reason == "AttemptsExhausted"
     assert {(await store.read_job(n)).status for n in neighbours} == {Status.QUEUED}
+
+
+@pytest.mark.spec("RI8", "RI9")
+async def test_an_attempt_handed_back_beside_its_workers_other_hand_back_counts_under_one_cap(
+        db, store, tenant, app_engine, ended):
+    """Found by review: a partner drops two uploads of one worker at once, and each attempt hands itself back. Each
+    is counted by the hand-back cap; recovery also judged each lost with its worker (the other lapsed with it), and
+    the count of attempts lost alone subtracted it a second time. So the export's next attempt, lost alone, did not
+    meet EXPORTS_MAX_ATTEMPTS (1 here) as it would after a hand-back on its own."""
+    recovery = sharing_recovery(app_engine, ended, max_attempts=1, max_hand_backs=10)
+    job_id, neighbour = await create_job(store, *tenant), await create_job(store, *tenant)
+    worker = "host-1-aaaaaa"
+    for each in (job_id, neighbour):  # both authorized, then both uploads cut before their rename: handed back
+        row, attempt_id = await read_and_claim(store, each, worker)
+        assert await store.authorize_delivery(row, attempt_id, built(row)) is AuthorizationResult.AUTHORIZED
+        assert await store.release_lease(each, attempt_id, worker)
+    taken = {c.job_id: await recovery.take_back_before_rename(c, RUN) for c in await recovery.nominate(limit=10)}
+    assert taken == {job_id: REQUEUED, neighbour: REQUEUED}
+    for each in (job_id, neighbour):
+        assert (await losses(db, each))[-1] == (REQUEUED, worker, HANDED_BACK)
+        assert (await store.read_job(each)).handed_back_count == 1
+
+    await claim_as(store, job_id, "host-2-bbbbbb")  # the next attempt, on another worker, lost alone
+    await expire(db, job_id)
+    [candidate] = [c for c in await recovery.nominate(limit=10) if c.job_id == job_id]
+    assert await recovery.take_over_running(candidate, RUN) == EXHAUSTED
+    assert (await losses(db, job_id))[-1] == (EXHAUSTED, "host-2-bbbbbb", "lost alone")
+
+
+async def read_and_claim(store: JobStore, job_id: uuid.UUID, worker: str) -> tuple[JobRow, uuid.UUID]:
+    attempt_id = await claim_as(store, job_id, worker)
+    return await store.read_job(job_id), attempt_id

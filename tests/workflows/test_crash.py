@@ -47,6 +47,7 @@ from tests.helpers.faults import CLAIM_STATEMENT, PgFaultProxy, fault_proxy
 from tests.helpers.harness import Harness, held_at, run_recovery
 from tests.helpers.partner import outbound_names
 from tests.helpers.support import eventually
+from tests.helpers.tcp_cut import TcpCutProxy, temporal_upstream
 from workflows.identity import EXPORT_STATUS, export_workflow_id
 
 # --- reading the workflow's history ------------------------------------------------------------------------------
@@ -410,28 +411,70 @@ async def test_an_upload_that_settles_after_temporal_gave_it_up__the_waiting_run
         paused.process.send_signal(signal.SIGSTOP)
         try:
             await start_worker(started, h)  # the run goes on here
-
-            async def given_up_and_waiting() -> bool:
-                history = await h.client.get_workflow_handle(export_workflow_id(job_id)).fetch_history()
-                kinds_after = [e.event_type for e in history.events]
-                if EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT not in kinds_after:
-                    return False
-                after = kinds_after[kinds_after.index(EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT):]
-                return EventType.EVENT_TYPE_TIMER_STARTED in after
-
-            await eventually(given_up_and_waiting, bool, timeout=60, interval=0.2,
-                             what="the upload given up and the run waiting for a wake-up")
-            assert (await h.store.read_job(job_id)).status is Status.DELIVERING
+            await upload_given_up_and_run_waiting(h, job_id)
         finally:
             (Path(h.settings.work_dir) / f"release-{checkpoints.AFTER_RECEIPT}-{job_id}").touch()
             paused.process.send_signal(signal.SIGCONT)
-        handle = h.client.get_workflow_handle(export_workflow_id(job_id), result_type=ExportResult)
-        result = await asyncio.wait_for(handle.result(), timeout=30)
-        described = await handle.describe()
+        await the_run_returns_the_row_its_upload_settled(h, job_id)
 
+
+@pytest.mark.spec("HI4")
+@pytest.mark.spec("PT6")
+async def test_an_upload_whose_heartbeats_never_reached_temporal__the_waiting_run_returns_the_row(crash_harness):
+    """Found by the chaos run (seed 738109, the Temporal server down for a second or so): the worker's heartbeats
+    kept coming, so by its own count Temporal still waited for the upload, but none reached the server, which gave
+    the step up. The run read the row still `Delivering` and waited for a wake-up; the terminal write then asked for
+    none, and the run learnt of `Completed` only at its next timer (300 s). Here the worker's way to Temporal goes
+    down (every connection reset) while its upload is held after the partner's receipt, and the write is made
+    before that way heals."""
+    h = crash_harness
+    async with processes(h) as started, TcpCutProxy(*temporal_upstream(h.client)) as temporal:
+        await start_worker(started, h, hold_at=checkpoints.AFTER_RECEIPT, max_builds=1,
+                           temporal_address=f"127.0.0.1:{temporal.port}")
+        job_id = await h.create()
+        await held_at(h.settings, checkpoints.AFTER_RECEIPT, job_id)
+        temporal.go_down()
+        try:
+            await start_worker(started, h)  # the run goes on here, at once (its cached run is forgotten)
+            await forget_dead_worker(h, job_id)
+            await upload_given_up_and_run_waiting(h, job_id)
+            (Path(h.settings.work_dir) / f"release-{checkpoints.AFTER_RECEIPT}-{job_id}").touch()
+            # The terminal write, while the worker still cannot reach Temporal: nothing it could hear from there
+            # tells it that the step was given up.
+            await eventually(lambda: h.store.read_job(job_id), lambda row: row.status is Status.COMPLETED,
+                             timeout=30, interval=0.1, what="the held upload's terminal write")
+        finally:
+            (Path(h.settings.work_dir) / f"release-{checkpoints.AFTER_RECEIPT}-{job_id}").touch()
+            temporal.heal()
+        await the_run_returns_the_row_its_upload_settled(h, job_id)
+    assert temporal.passed >= 1 and "refused" in temporal.events  # the held worker's way to Temporal was cut
+
+
+async def upload_given_up_and_run_waiting(h: Harness, job_id: uuid.UUID) -> None:
+    """Temporal gave the upload step up, and the run, having read the row still `Delivering`, waits for a
+    wake-up (its timer is the idle recheck)."""
+    async def given_up_and_waiting() -> bool:
+        history = await h.client.get_workflow_handle(export_workflow_id(job_id)).fetch_history()
+        kinds_after = [e.event_type for e in history.events]
+        if EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT not in kinds_after:
+            return False
+        after = kinds_after[kinds_after.index(EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT):]
+        return EventType.EVENT_TYPE_TIMER_STARTED in after
+
+    await eventually(given_up_and_waiting, bool, timeout=60, interval=0.2,
+                     what="the upload given up and the run waiting for a wake-up")
+    assert (await h.store.read_job(job_id)).status is Status.DELIVERING
+
+
+async def the_run_returns_the_row_its_upload_settled(h: Harness, job_id: uuid.UUID) -> None:
+    """The run returns `Completed`, and shows it, well before its idle recheck: the upload's own terminal write
+    settled the row, and woke the run that waited for it."""
+    handle = h.client.get_workflow_handle(export_workflow_id(job_id), result_type=ExportResult)
+    result = await asyncio.wait_for(handle.result(), timeout=30)
+    described = await handle.describe()
     row = await h.store.read_job(job_id)
     assert row.status is Status.COMPLETED and result.status is Status.COMPLETED
-    assert "Finished" in kinds(await events(h.db, job_id))  # the paused worker's own terminal write settled it
+    assert "Finished" in kinds(await events(h.db, job_id))  # the held worker's own terminal write settled it
     assert described.typed_search_attributes.get(EXPORT_STATUS) == "Completed"
     assert outbound_names(h.partner) == [row.final_name]
     runs = await activity_runs(h, job_id)

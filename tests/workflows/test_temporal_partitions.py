@@ -21,14 +21,9 @@ from tests.helpers.harness import held_at
 from tests.helpers.lease import LEASE
 from tests.helpers.partner import assert_partner_holds
 from tests.helpers.support import eventually
-from tests.helpers.tcp_cut import TcpCutProxy
+from tests.helpers.tcp_cut import TcpCutProxy, temporal_upstream
 
 BOUND = 60.0  # no single wait of this test may take longer
-
-
-def temporal_upstream(client) -> tuple[str, int]:
-    host, port = client.service_client.config.target_host.rsplit(":", 1)
-    return host, int(port)
 
 
 @pytest.mark.spec("PT6")

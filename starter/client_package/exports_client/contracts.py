@@ -215,3 +215,7 @@ class JobRow(BaseModel):
     # How many of its attempts their own worker handed back before the rename (migration 0013): they are not counted
     # toward the attempt cap, and have a cap of their own. 0 in a row recorded before the column existed.
     handed_back_count: int = 0
+    # The attempt whose upload a run found unsettled and waits on (migration 0017): its terminal write wakes the run.
+    run_waits_for: UUID | None = None
+    # The last attempt whose hand-back was counted (migration 0018): recovery counts it under the hand-back cap only.
+    handed_back_attempt: UUID | None = None

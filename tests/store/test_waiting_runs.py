@@ -1,0 +1,78 @@
+"""A run that waits on an upload, and that upload's terminal write (migration 0017): whichever takes the row first,
+the run learns of the end, by reading the settled row or by the write's wake-up. The store half of the chaos
+run's seed 738109; tests/workflows/test_crash.py has the run itself."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable
+
+import pytest
+
+from store.jobs import JobStore
+from store.models import Status
+from tests.helpers.store_states import drive, expire, outbox
+from tests.helpers.support import create_job, seed_tenant
+from tests.store.test_race import BOUND, contend
+
+RACES = 12
+
+
+async def delivering(store: JobStore, db) -> tuple[uuid.UUID, uuid.UUID]:
+    tenant_id, destination_id = await seed_tenant(db.admin)
+    job_id = await create_job(store, tenant_id, destination_id)
+    return job_id, await drive(store, job_id, Status.DELIVERING)
+
+
+def finishing(store: JobStore, job_id: uuid.UUID, attempt_id: uuid.UUID) -> Awaitable[bool]:
+    return store.finish_delivery(job_id, attempt_id, Status.COMPLETED, None, "uploaded", confirmed_by="size")
+
+
+@pytest.mark.spec("HI4")
+async def test_a_waiting_run_and_the_terminal_write__either_order_the_run_learns_of_the_end(db, app_engine):
+    store = JobStore(app_engine, lease_seconds=5.0, lock_timeout_ms=int(BOUND * 1000))
+    seen = {"woken": 0, "read settled": 0}
+    for race in range(RACES):
+        job_id, attempt_id = await delivering(store, db)
+        before = len(await outbox(db, job_id))
+
+        def waiting() -> Awaitable[bool]:
+            return store.run_waits_for_upload(job_id, attempt_id)
+
+        def writing() -> Awaitable[bool]:
+            return finishing(store, job_id, attempt_id)
+
+        if race % 2 == 0:
+            marked, written = await contend(db, job_id, waiting, writing)
+        else:
+            written, marked = await contend(db, job_id, writing, waiting)
+        assert written
+        wakeups = len(await outbox(db, job_id)) - before
+        if marked:  # the mark came first: the run waits, and the write woke it
+            seen["woken"] += 1
+            assert wakeups == 1
+        else:  # the write came first: the mark found nothing to wait on, and the run reads the settled row
+            seen["read settled"] += 1
+            assert wakeups == 0 and (await store.read_job(job_id)).status is Status.COMPLETED
+    assert seen["woken"] >= 1 and seen["read settled"] >= 1, seen
+
+
+@pytest.mark.spec("HI4")
+async def test_a_terminal_write_that_no_run_waits_on_wakes_nothing(db, store):
+    """The usual end: the run has the upload's answer, and no wake-up is written (none costs a signal)."""
+    job_id, attempt_id = await delivering(store, db)
+    before = await outbox(db, job_id)
+    assert await finishing(store, job_id, attempt_id)
+    assert await outbox(db, job_id) == before
+
+
+@pytest.mark.spec("HI4")
+async def test_a_mark_names_its_attempt_only(db, store):
+    """A mark is the attempt's: for another attempt ID it matches nothing, and after a lapse of the lease (a paused
+    worker) it is still taken, changing no state."""
+    job_id, attempt_id = await delivering(store, db)
+    assert not await store.run_waits_for_upload(job_id, uuid.uuid4())
+    await expire(db, job_id)
+    row = await store.read_job(job_id)
+    assert await store.run_waits_for_upload(job_id, attempt_id)
+    assert await store.read_job(job_id) == row.model_copy(update={"run_waits_for": attempt_id})
