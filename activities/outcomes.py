@@ -96,7 +96,15 @@ class FinalLook:
 
     @property
     def content_sha256(self) -> str | None:
+        """The content's SHA-256 as the evidence tells it: the bytes read back, else the partner's acknowledgment
+        (an acknowledgment never outweighs other bytes read back at the final name)."""
         return self.sha256 if self.sha256 is not None else self.acknowledged_sha256
+
+    def proves(self, expected_sha256: str | None) -> Literal["sha256", "acknowledgment"] | None:
+        """What proves the expected content, if anything: the delivery, recovery and the follow-up judge alike."""
+        if expected_sha256 is None or self.content_sha256 != expected_sha256:
+            return None
+        return "sha256" if self.sha256 is not None else "acknowledgment"
 
 
 def after_rename(look: FinalLook, *, final_name: str, expected_bytes: int, expected_sha256: str | None,
@@ -106,14 +114,13 @@ def after_rename(look: FinalLook, *, final_name: str, expected_bytes: int, expec
         found = f"{look.size} bytes" if look.exists else "no file"
         return Verdict("OutcomeUnknown", f"outcome unknown: {final_name} holds {found} after the rename, "
                                          f"expected {expected_bytes} bytes")
-    content = look.content_sha256
-    if content is not None and content == expected_sha256:
-        if look.sha256 is not None:
-            return Verdict("Completed", f"uploaded {final_name}, {expected_bytes} bytes, confirmed by sha256",
-                           "sha256")
+    proof = look.proves(expected_sha256)
+    if proof == "sha256":
+        return Verdict("Completed", f"uploaded {final_name}, {expected_bytes} bytes, confirmed by sha256", proof)
+    if proof == "acknowledgment":
         return Verdict("Completed", f"uploaded {final_name}, {expected_bytes} bytes, confirmed by the partner's "
-                                    "acknowledgment", "acknowledgment")
-    if content is not None:
+                                    "acknowledgment", proof)
+    if look.content_sha256 is not None:
         return Verdict("OutcomeUnknown", f"outcome unknown: {final_name} holds {expected_bytes} bytes, but their "
                                          "sha256 is not the expected file's")
     if overwrite:
@@ -128,16 +135,16 @@ def after_rename(look: FinalLook, *, final_name: str, expected_bytes: int, expec
 
 def follow_up_verdict(look: FinalLook, *, final_name: str, expected_sha256: str | None) -> Verdict:
     """What the evidence follow-up may conclude from one look: Completed only on proof of content (the SHA-256 read
-    back, or the partner's acknowledgment, is the expected file's). Absence and size settle nothing: a partner may
-    have taken the file, and bytes of the right length may be others."""
+    back is the expected file's, or, with nothing read back, the partner's acknowledgment names it). Absence and
+    size settle nothing: a partner may have taken the file, and bytes of the right length may be others."""
     if expected_sha256 is None:
         return Verdict("OutcomeUnknown", "no expected SHA-256 was recorded: nothing can prove the content")
-    if look.sha256 == expected_sha256:
-        return Verdict("Completed", f"{final_name} read back: sha256 {expected_sha256} is the expected file's",
-                       "sha256")
-    if look.acknowledged_sha256 == expected_sha256:
+    proof = look.proves(expected_sha256)
+    if proof == "sha256":
+        return Verdict("Completed", f"{final_name} read back: sha256 {expected_sha256} is the expected file's", proof)
+    if proof == "acknowledgment":
         return Verdict("Completed", f"the partner's acknowledgment of {final_name} names sha256 {expected_sha256}, "
-                                    "the expected file's", "acknowledgment")
+                                    "the expected file's", proof)
     found = (f"{final_name} holds {look.size} bytes" if look.exists else f"{final_name} is absent")
     if look.sha256 is not None:
         found += f" whose sha256 is {look.sha256}, not the expected file's"

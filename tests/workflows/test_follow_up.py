@@ -91,6 +91,29 @@ async def test_an_unknown_delivery_whose_file_reads_back_right_is_settled_comple
 
 
 @pytest.mark.spec("LV2")
+async def test_an_acknowledgment_never_outweighs_other_bytes_read_back_at_the_final_name(harness: Harness):
+    """Found by review: the delivery and recovery judge a read-back before an acknowledgment (other bytes at the
+    final name make the outcome unknown, whatever the acknowledgment names); the follow-up settled Completed on the
+    same evidence. Once the partner has taken the file, the acknowledgment is all there is, and settles it."""
+    h = harness
+    job_id, content = await unknown_original(h)
+    row = await h.store.read_job(job_id)
+    final = outbound(h.partner) / row.final_name
+    await set_contract(h, acknowledgment_dir="/acks")
+    (h.partner.root / "acks").mkdir()
+    (h.partner.root / "acks" / f"{row.final_name}.ack").write_text(f"sha256={hashlib.sha256(content).hexdigest()}\n")
+    final.write_bytes(bytes(b ^ 0xFF for b in content))  # the right size, other bytes
+
+    assert concluded(await follow_up(h), job_id) == "OutcomeUnknown"
+    assert "not the expected file's" in (await overview(h, job_id))["finding"]
+    assert (await h.store.read_job(job_id)).status is Status.OUTCOME_UNKNOWN
+
+    final.unlink()  # the partner took it: only the acknowledgment is left
+    assert concluded(await follow_up(h), job_id) == "Completed"
+    assert (await h.store.read_job(job_id)).confirmed_by == "acknowledgment"
+
+
+@pytest.mark.spec("LV2")
 async def test_absence_and_size_never_settle__an_acknowledgment_naming_the_file_does(harness: Harness):
     h = harness
     job_id, content = await unknown_original(h)

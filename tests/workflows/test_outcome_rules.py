@@ -12,6 +12,7 @@ from activities.outcomes import (
     RemoteFile,
     after_rename,
     classify,
+    follow_up_verdict,
     occupied_final_name,
     temp_file_removable,
 )
@@ -116,4 +117,22 @@ def test_after_rename(look: FinalLook, overwrite: bool, promised: bool, outcome:
                       confirmed_by: str | None) -> None:
     verdict = after_rename(look, final_name="f.csv", expected_bytes=10, expected_sha256=SHA, overwrite=overwrite,
                            content_promised=promised)
+    assert (verdict.outcome, verdict.confirmed_by) == (outcome, confirmed_by)
+
+
+@pytest.mark.parametrize(
+    ("look", "outcome", "confirmed_by"),
+    [
+        (FinalLook(exists=False), "OutcomeUnknown", None),  # a partner may have taken the file
+        (FinalLook(exists=True, size=10), "OutcomeUnknown", None),  # bytes of the right length may be others
+        (FinalLook(exists=True, size=10, sha256=SHA), "Completed", "sha256"),
+        (FinalLook(exists=False, acknowledged_sha256=SHA), "Completed", "acknowledgment"),
+        (FinalLook(exists=True, size=10, acknowledged_sha256=SHA), "Completed", "acknowledgment"),
+        # Bytes read back come first, as for the delivery and recovery: other bytes are not outweighed.
+        (FinalLook(exists=True, size=10, sha256=OTHER, acknowledged_sha256=SHA), "OutcomeUnknown", None),
+        (FinalLook(exists=True, size=10, sha256=SHA, acknowledged_sha256=OTHER), "Completed", "sha256"),
+    ],
+)
+def test_follow_up_verdict(look: FinalLook, outcome: str, confirmed_by: str | None) -> None:
+    verdict = follow_up_verdict(look, final_name="f.csv", expected_sha256=SHA)
     assert (verdict.outcome, verdict.confirmed_by) == (outcome, confirmed_by)
