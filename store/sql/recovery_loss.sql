@@ -9,6 +9,8 @@
 --   it lapsed, or recovery took one over): workers are being lost whatever they hold, so this loss says nothing
 --   about the export. A job that kills each worker it meets is not amid others when nothing else kills workers:
 --   every worker lost then once held it.
+-- A hand-back (migration 0018: the row names the attempt, recovery's event says `handed back by its worker`) is
+-- neither: its worker let the attempt go and lives on.
 WITH lost AS (
     SELECT id, split_part(claimed_by, '/', 1) AS holder
     FROM export_jobs
@@ -22,19 +24,23 @@ SELECT lost.holder,
        EXISTS (SELECT 1 FROM export_jobs o
                WHERE o.status IN ('Running', 'Delivering')
                  AND o.lease_expires_at < clock_timestamp() + make_interval(secs => :renew_seconds)
+                 AND o.handed_back_attempt IS DISTINCT FROM o.attempt_id
                  AND o.id <> lost.id AND split_part(o.claimed_by, '/', 1) = lost.holder)
        OR EXISTS (SELECT 1 FROM export_attempt_events e
                   WHERE e.worker_id = lost.holder AND e.kind IN ('RequeuedByRecovery', 'AttemptsExhausted')
                     AND e.recorded_at > clock_timestamp() - make_interval(secs => :together_seconds)
+                    AND e.detail IS DISTINCT FROM 'handed back by its worker'
                     AND e.job_id <> lost.id)
            AS with_its_worker,
        EXISTS (SELECT 1 FROM export_jobs o
                WHERE o.status IN ('Running', 'Delivering') AND o.lease_expires_at < clock_timestamp()
+                 AND o.handed_back_attempt IS DISTINCT FROM o.attempt_id
                  AND split_part(o.claimed_by, '/', 1) <> lost.holder
                  AND split_part(o.claimed_by, '/', 1) NOT IN (SELECT worker FROM its_workers))
        OR EXISTS (SELECT 1 FROM export_attempt_events e
                   WHERE e.kind IN ('RequeuedByRecovery', 'AttemptsExhausted') AND e.worker_id IS NOT NULL
                     AND e.recorded_at > clock_timestamp() - make_interval(secs => :together_seconds)
+                    AND e.detail IS DISTINCT FROM 'handed back by its worker'
                     AND e.worker_id <> lost.holder
                     AND e.worker_id NOT IN (SELECT worker FROM its_workers))
            AS amid_others

@@ -750,3 +750,29 @@ async def test_an_attempt_handed_back_beside_its_workers_other_hand_back_counts_
 async def read_and_claim(store: JobStore, job_id: uuid.UUID, worker: str) -> tuple[JobRow, uuid.UUID]:
     attempt_id = await claim_as(store, job_id, worker)
     return await store.read_job(job_id), attempt_id
+
+
+@pytest.mark.spec("RI8", "RI9")
+@pytest.mark.parametrize("taken_first", [False, True], ids=["hand-back-on-its-row", "hand-back-taken-back"])
+async def test_a_hand_back_beside_an_attempt_lost_alone_is_no_sign_of_a_lost_worker(
+        db, store, tenant, app_engine, ended, taken_first):
+    """A worker hands one attempt back (its partner dropped the upload) while another of its attempts lapses on its
+    own: the worker was not lost, so the lapsed one was lost alone, whether the hand-back is still on its row or
+    recovery has taken it back already."""
+    recovery = sharing_recovery(app_engine, ended)
+    worker = "host-3-dddddd"
+    handed, lapsed = await create_job(store, *tenant), await create_job(store, *tenant)
+    row, attempt_id = await read_and_claim(store, handed, worker)
+    assert await store.authorize_delivery(row, attempt_id, built(row)) is AuthorizationResult.AUTHORIZED
+    assert await store.release_lease(handed, attempt_id, worker)
+    if taken_first:
+        [candidate] = await recovery.nominate(limit=10)
+        assert await recovery.take_back_before_rename(candidate, RUN) == REQUEUED
+    await claim_as(store, lapsed, worker)
+    await expire(db, lapsed)
+    [candidate] = [c for c in await recovery.nominate(limit=10) if c.job_id == lapsed]
+    assert await recovery.take_over_running(candidate, RUN) == REQUEUED
+    assert (await losses(db, lapsed))[-1] == (REQUEUED, worker, "lost alone")
+    for c in await recovery.nominate(limit=10):  # the hand-back still on its row is taken back: its own cap
+        assert await recovery.take_back_before_rename(c, RUN) == REQUEUED
+    assert (await losses(db, handed))[-1] == (REQUEUED, worker, HANDED_BACK)
