@@ -87,10 +87,10 @@ async def test_migrate_to_the_previous_revision_and_back(db, tmp_path):
     settings = db.settings()
 
     async def head_migration_in_place() -> bool:
-        """Whether the head's migration is in place (0016: an upload's hold on its partner session)."""
+        """Whether the head's migration is in place (0018: a hand-back names its attempt)."""
         return bool(await db.admin.fetchval(
-            "SELECT count(*) FROM information_schema.columns WHERE table_name = 'partner_sessions' "
-            "AND column_name = 'uploading_until'"))
+            "SELECT count(*) FROM information_schema.columns WHERE table_name = 'export_jobs' "
+            "AND column_name = 'handed_back_attempt'"))
 
     down = await exports_command(settings, "migrate", "--to", PREVIOUS, cwd=tmp_path)
     assert down.code == 0 and f"at {PREVIOUS} (was {head_revision()})" in down.stdout, down
