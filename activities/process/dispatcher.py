@@ -11,8 +11,13 @@ waves of up to `concurrency` side by side outside any transaction (an export's l
 rows go out in their order), and marks each wave's published rows with one conditional update, all through
 store/outbox.py, whose session advisory lock keeps two dispatchers from publishing the same backlog at once. A wave
 with a failed publication ends the pass once its other rows are marked: Temporal is away, and the next poll tries
-again. A pass that hears of new rows while it publishes gives way after GIVE_WAY_SECONDS, so that the next read
-takes them in their tenant's turn (the batch's order), rather than after the rest of a batch another tenant filled.
+again. A publication Temporal refuses for its own run (its run takes no more signals, say: a flood spent the
+server's quota) is no outage: the pass goes on, and after REFUSALS_BEFORE_GIVING_UP such refusals the row is given
+up, marked published with a warning, so that it never holds back the rows behind it. The wake-up is a hint: the
+run reads its row at its idle recheck anyway, and the sweeper wakes an export left queued. A stop ends the pass
+after the wave in flight. A pass that hears of new rows while it publishes gives way after GIVE_WAY_SECONDS, so
+that the next read takes them in their tenant's turn (the batch's order), rather than after the rest of a batch
+another tenant filled.
 
 The lock's session is bounded (store/outbox.py says how): a dispatcher that stops answering while it holds the lock
 (paused, or cut off) loses it after `Outbox.lock_idle_seconds` of silence, and another dispatcher takes over. So
@@ -34,6 +39,7 @@ from uuid import UUID
 import asyncpg
 from exports_client.client import WORKFLOW_TYPE
 from temporalio.client import Client
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.contracts import ExportInput, Wake
 from activities.process.temporal import short_reason
@@ -50,6 +56,10 @@ NOTIFY_CHANNEL = "exports_outbox"
 # new row then waits behind this much of a backlog at most, not a whole batch, and a backlog still takes one read
 # per this many seconds at most while rows keep coming.
 GIVE_WAY_SECONDS = 0.2
+# How many times Temporal may refuse one row for its own run before the dispatcher gives the row up.
+REFUSALS_BEFORE_GIVING_UP = 3
+# Refusals that concern one workflow, not Temporal as a whole: its run's signal quota spent, say.
+_REFUSED_FOR_ITS_RUN = frozenset({RPCStatusCode.INVALID_ARGUMENT, RPCStatusCode.FAILED_PRECONDITION})
 
 
 class OutboxDispatcher:
@@ -79,6 +89,8 @@ class OutboxDispatcher:
         self._failing = False
         self._lock_taken_since: float | None = None  # since when every pass has found the lock taken
         self._lock_wait_said = False  # and whether that wait has been warned about
+        self._refusals: dict[UUID, int] = {}  # rows Temporal refused for their own run, and how many times
+        self._stop: asyncio.Event | None = None
 
     async def publish(self, message_id: UUID, job_id: UUID, tenant_id: UUID | None = None) -> None:
         await self.client.start_workflow(
@@ -103,7 +115,7 @@ class OutboxDispatcher:
             self._lock_free()
             started = time.monotonic()
             rows = await outbox.pending(self.batch)
-            while rows:
+            while rows and not (self._stop is not None and self._stop.is_set()):
                 if self._nudged.is_set() and time.monotonic() - started >= GIVE_WAY_SECONDS:
                     # New rows since the read: the next pass reads again, each tenant in its turn, rather than
                     # leave them behind the rest of this batch.
@@ -116,6 +128,9 @@ class OutboxDispatcher:
                                         strict=True):
                     if failure is None:
                         done.append(row.message_id)
+                    elif isinstance(failure, Refused):
+                        if self._given_up(row, failure):
+                            done.append(row.message_id)
                     else:
                         failed.append((row, failure))
                 if done:
@@ -132,15 +147,34 @@ class OutboxDispatcher:
         return published
 
     async def _publish(self, outbox: OutboxPass, row: Pending) -> str | TimeoutError | None:
-        """Publish one row within the pass's bound on a publication: None, or why it was not published."""
+        """Publish one row within the pass's bound on a publication: None, or why it was not published (a
+        `Refused` when Temporal refused it for its own run)."""
         try:
             async with asyncio.timeout(outbox.publish_seconds):
                 await self.publish(row.message_id, row.job_id, row.tenant_id)
         except TimeoutError:
             return TimeoutError(f"Temporal did not answer within {outbox.publish_seconds:g} s")
+        except RPCError as exc:
+            return (Refused if exc.status in _REFUSED_FOR_ITS_RUN else str)(short_reason(exc))
         except Exception as exc:
             return short_reason(exc)
+        self._refusals.pop(row.message_id, None)
         return None
+
+    def _given_up(self, row: Pending, why: str) -> bool:
+        """Counts a refusal of `row` for its own run; whether the row is now given up (to be marked published)."""
+        refused = self._refusals.get(row.message_id, 0) + 1
+        if refused < REFUSALS_BEFORE_GIVING_UP:
+            self._refusals[row.message_id] = refused
+            (log.warning if refused == 1 else log.debug)(
+                "outbox row %s (%s for %s) refused by Temporal for its run, tried again at the next pass: %s",
+                row.message_id, row.kind, row.job_id, why)
+            return False
+        del self._refusals[row.message_id]
+        log.warning("outbox row %s (%s for %s) given up after %d refusals for its run (%s): the run reads its row "
+                    "at its idle recheck, and the sweeper wakes an export left queued", row.message_id, row.kind,
+                    row.job_id, refused, why)
+        return True
 
     async def _lock_taken(self) -> None:
         """A skipped pass: debug, until passes have found the lock taken for longer than a poll interval; then one
@@ -165,12 +199,13 @@ class OutboxDispatcher:
         self._lock_wait_said = False
 
     async def run(self, stop: asyncio.Event) -> None:
+        self._stop = stop  # a stop ends the pass after its wave in flight, not after the backlog
         listener = await self._listen()
         try:
             while not stop.is_set():
                 self._nudged.clear()
                 try:
-                    while await self.dispatch_once() == self.batch:
+                    while await self.dispatch_once() == self.batch and not stop.is_set():
                         pass
                 except Exception as exc:  # the database is away: said once, and tried again at each poll
                     self._failed(f"outbox dispatch failed, trying again every {self.poll_seconds:g} s: "
@@ -202,6 +237,10 @@ class OutboxDispatcher:
         """One warning when an outage begins; while it lasts, the same news at debug level."""
         (log.debug if self._failing else log.warning)(message)
         self._failing = True
+
+
+class Refused(str):
+    """Why Temporal refused a row for its own run (not an outage): the pass goes on without it."""
 
 
 def next_wave(rows: list[Pending], size: int) -> tuple[list[Pending], list[Pending]]:
