@@ -4,6 +4,7 @@ agreed with it (the `destinations` row as a model), and the one check of that ro
 
 from __future__ import annotations
 
+import ipaddress
 import posixpath
 import re
 import unicodedata
@@ -89,8 +90,8 @@ MIN_TEMP_FILE_MAX_AGE_SECONDS = 43200  # the table's CHECK: far above the delive
 MAX_TEMP_FILE_MAX_AGE_SECONDS = 2**31 - 1  # an int column
 HASH_EVIDENCE: tuple[str, ...] = get_args(PartnerContract.model_fields["hash_evidence"].annotation)
 
-# A DNS name or an IP address, nothing else: no spaces, nothing that starts like an option.
-_HOST = re.compile(r"[A-Za-z0-9_.:%-]+")
+# A DNS name's label (underscores too, as some internal names have them): never empty, never at a hyphen's edge.
+_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SCHEME = re.compile(r"[a-z][a-z0-9+.-]{0,19}")
 # Control characters (NUL, terminal escapes, line breaks) and invisible ones (bidirectional overrides): never in
@@ -130,8 +131,8 @@ def _destination_problem(row: Mapping[str, Any]) -> str | None:
     for column, limit in texts.items():
         if (problem := _text_problem(row.get(column), limit)) is not None:
             return f"{column} {problem}"
-    if not _HOST.fullmatch(row["host"]) or row["host"].startswith("-"):
-        return f"host {row['host']!r} is not a host name or an IP address"
+    if not _is_host(row["host"]):
+        return f"host {row['host']!r} is not a host name or an IP address (a port goes in port)"
     if not _whole(row.get("port")) or not 1 <= row["port"] <= 65535:
         return "port must be a whole number from 1 to 65535"
     for column in ("final_dir", "temp_dir", "acknowledgment_dir"):
@@ -179,6 +180,17 @@ def _whole(value: object) -> TypeGuard[int]:
 def _directory(path: str) -> str:
     # One spelling per directory: "/out", "/out/", "//out" and "/a/../out/." are the same one.
     return "/" + posixpath.normpath(path).lstrip("/")
+
+
+def _is_host(text: str) -> bool:
+    """A DNS name or an IP address, nothing else: no port, no empty label, nothing that starts like an option."""
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        pass
+    name = text.removesuffix(".")
+    return 0 < len(name) <= MAX_HOST and all(_LABEL.fullmatch(label) for label in name.split("."))
 
 
 def _host_key_problem(line: str) -> str | None:

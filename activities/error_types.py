@@ -10,6 +10,9 @@ from temporalio.exceptions import ApplicationError
 # The start's input does not validate, its workflow ID is not `export-<job id>`, or `create.job_id` differs from
 # `job_id`: the run fails at once, before anything is written.
 INVALID_EXPORT_INPUT = "InvalidExportInput"
+# A scheduled workflow (recovery, the sweeper, the evidence follow-up) started, by hand, with an input that does
+# not validate: the run fails at once, having done nothing.
+INVALID_SCHEDULED_INPUT = "InvalidScheduledInput"
 # The creation step found the export ID taken by another export (another tenant's, or another delivery key).
 EXPORT_ID_TAKEN = "ExportIdTaken"
 # The run's creation step failed: this run created no export.

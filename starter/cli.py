@@ -195,7 +195,7 @@ def migrate(
     if from_revision is not None and not sql:
         fail("error: --from goes with --sql (a migration against the database reads its own revision)")
     try:  # before anything connects: an unknown target changes nothing
-        target = resolve_revision(to_revision or "head")
+        target = resolve_revision("head" if to_revision is None else to_revision)  # `--to ""` is no revision
     except UnknownRevision as exc:
         fail(f"error: {exc}")
     if sql:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -282,15 +282,17 @@ class ExportsClient:
 
     async def show(self, job_id: str | uuid.UUID, *, tenant_id: str | uuid.UUID | None = None) -> ExportView:
         """One export by its ID, or by a prefix of it that only one export has (as `make run` and tables show)."""
-        job = await self._resolve_prefix(job_id)
         tenant = parse_id(tenant_id, "tenant ID") if tenant_id is not None else None
+        job = await self._resolve_prefix(job_id, tenant)
         row = await self.store.read_job(job, tenant_id=tenant)
         if row is None:
             raise InputError(f"export {job} not found" + (f" for tenant {tenant}" if tenant else ""))
         events, requests = await self.store.history(job)
         return ExportView(row=row, events=events, cancellation_requests=requests)
 
-    async def _resolve_prefix(self, value: str | uuid.UUID) -> uuid.UUID:
+    async def _resolve_prefix(self, value: str | uuid.UUID, tenant: uuid.UUID | None) -> uuid.UUID:
+        """The export an ID or an ID's prefix names, among `tenant`'s exports when given: another tenant's export
+        looks like none at all."""
         if isinstance(value, uuid.UUID):
             return value
         digits = value.strip().replace("-", "").lower()
@@ -298,7 +300,7 @@ class ExportsClient:
             return parse_id(value, "job ID")
         # A range on the primary key, so that a prefix costs an index lookup, not a scan.
         low, high = (uuid.UUID(digits + pad * (32 - len(digits))) for pad in "0f")
-        found = await self.store.job_ids_between(low, high, limit=2)
+        found = await self.store.job_ids_between(low, high, limit=2, tenant_id=tenant)
         if not found:
             raise InputError(f"no export ID starts with {shown(value)}")
         if len(found) > 1:
@@ -379,7 +381,8 @@ class ExportsClient:
             evidence_summary=evidence,
         )
         async with self._reconciler() as reconciliation:
-            return await reconciliation.reconcile(**request.model_dump())
+            return await self._done_or_not_found(reconciliation, request.tenant_id, request.job_id,
+                                                 reconciliation.reconcile(**request.model_dump()))
 
     async def correct(
         self,
@@ -398,6 +401,8 @@ class ExportsClient:
         for status in (recorded, corrected):
             if status not in (Status.COMPLETED, Status.FAILED):
                 raise InputError(f"status {status!r} must be Completed or Failed")
+        if recorded == corrected:
+            raise InputError(f"--from and --to are both {recorded}: a correction changes the recorded status")
         if (corrected == Status.FAILED) != (failure_reason is not None):
             raise InputError("a correction to Failed needs a failure reason, and only that one")
         if failure_reason is not None and failure_reason not in FailureCode.__members__.values():
@@ -415,9 +420,21 @@ class ExportsClient:
         )
         async with self._reconciler() as reconciliation:
             try:
-                return await reconciliation.correct(**request.model_dump())
+                return await self._done_or_not_found(reconciliation, request.tenant_id, request.job_id,
+                                                     reconciliation.correct(**request.model_dump()))
             except errors.TransitionAlreadyRecorded:
                 raise InputError("this attempt's outcome was already corrected once") from None
+
+    @staticmethod
+    async def _done_or_not_found(reconciliation: Reconciliation, tenant_id: uuid.UUID, job_id: uuid.UUID,
+                                 write: Awaitable[bool]) -> bool:
+        """A reconciliation's or correction's answer; InputError where the export is not the tenant's, which the
+        write alone cannot tell from a row in another state."""
+        if await write:
+            return True
+        if not await reconciliation.is_tenants(tenant_id, job_id):
+            raise InputError(f"export {job_id} not found for tenant {tenant_id}")
+        return False
 
     @asynccontextmanager
     async def _reconciler(self) -> AsyncIterator[Reconciliation]:

@@ -122,10 +122,13 @@ class JobStore(RoleStore):
     async def read_destination(self, tenant_id: UUID, destination_id: UUID) -> dict[str, Any] | None:
         return await self.db.row(_DESTINATION_ROW, tenant_id=tenant_id, destination_id=destination_id)
 
-    async def job_ids_between(self, low: UUID, high: UUID, *, limit: int) -> list[UUID]:
-        """Export IDs in [low, high], at most `limit` (an operator's ID prefix, as a range on the primary key)."""
+    async def job_ids_between(self, low: UUID, high: UUID, *, limit: int, tenant_id: UUID | None = None) -> list[UUID]:
+        """Export IDs in [low, high], at most `limit` (an operator's ID prefix, as a range on the primary key), of
+        one tenant's exports only when `tenant_id` is given."""
         query = (select(export_jobs.c.id).where(export_jobs.c.id.between(low, high))
                  .order_by(export_jobs.c.id).limit(limit))
+        if tenant_id is not None:
+            query = query.where(export_jobs.c.tenant_id == tenant_id)
         return [row["id"] for row in await self.db.rows(query)]
 
     async def read_destinations(self, tenant_id: UUID | None = None,

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 from uuid import UUID
 
+from sqlalchemy import bindparam, select
+
 from store.models import FailureCode, Status
+from store.schema import export_jobs
 from store.statements import RoleStore
+
+_TENANTS_JOB = select(export_jobs.c.id).where(export_jobs.c.id == bindparam("job_id"),
+                                              export_jobs.c.tenant_id == bindparam("tenant_id"))
 
 
 class Reconciliation(RoleStore):
@@ -67,3 +73,8 @@ class Reconciliation(RoleStore):
             why=why,
         )
         return written.changed
+
+    async def is_tenants(self, tenant_id: UUID, job_id: UUID) -> bool:
+        """Whether the export exists for this tenant: a write that matched nothing says which it was, not found or
+        not in the state named."""
+        return await self.db.row(_TENANTS_JOB, job_id=job_id, tenant_id=tenant_id) is not None

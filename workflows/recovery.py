@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
-from typing import TypedDict
+from typing import Any, TypedDict, TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from exports_client.contracts import validation_problems
+    from pydantic import BaseModel, ValidationError
+
     from activities.contracts import (
         Candidate,
         DestinationRef,
@@ -29,9 +32,24 @@ with workflow.unsafe.imports_passed_through():
         SweepInput,
         TakeoverOutput,
     )
+    from activities.error_types import INVALID_SCHEDULED_INPUT
     from activities.recovery import RecoveryActivities
     from store.models import Status
     from workflows import patches
+
+
+_Input = TypeVar("_Input", bound=BaseModel)
+
+
+def _validated(model: type[_Input], payload: Any) -> _Input:
+    """A scheduled workflow's input, typed loosely and validated here: one that does not decode (a start by hand,
+    from the UI or the CLI) would otherwise fail the workflow task again and again, and the run never end. It fails
+    the run at once instead, having done nothing. A schedule's own input always validates: no command changes."""
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        raise ApplicationError(f"invalid {model.__name__}, nothing done: {validation_problems(exc, 'input')}",
+                               type=INVALID_SCHEDULED_INPUT, non_retryable=True) from None
 
 
 class _StepOptions(TypedDict):
@@ -82,7 +100,8 @@ _TAKEOVERS_AT_ONCE = 10
 @workflow.defn
 class RecoveryWorkflow:
     @workflow.run
-    async def run(self, request: RecoveryInput) -> RecoveryReport:
+    async def run(self, payload: Any) -> RecoveryReport:
+        request = _validated(RecoveryInput, payload)
         if not workflow.patched(patches.RECOVERY_ROUNDS):
             return await self._one_batch(request)
         # A batch at a time, nominating again after each, until one comes back short or changes nothing (what it
@@ -122,9 +141,10 @@ class RecoveryWorkflow:
 @workflow.defn
 class SweeperWorkflow:
     @workflow.run
-    async def run(self, request: SweepInput) -> int:
+    async def run(self, payload: Any) -> int:
         return await workflow.execute_activity_method(
-            RecoveryActivities.sweep, request, summary="republish queued jobs with old wake-ups", **_DB_STEP
+            RecoveryActivities.sweep, _validated(SweepInput, payload),
+            summary="republish queued jobs with old wake-ups", **_DB_STEP,
         )
 
 
@@ -152,7 +172,8 @@ class EvidenceFollowUpWorkflow:
     settled Completed only by proof of content, otherwise the finding is noted for operators (LV2)."""
 
     @workflow.run
-    async def run(self, request: FollowUpInput) -> FollowUpReport:
+    async def run(self, payload: Any) -> FollowUpReport:
+        request = _validated(FollowUpInput, payload)
         candidates: list[FollowUpCandidate] = await workflow.execute_activity_method(
             RecoveryActivities.list_follow_ups, request, summary="list OutcomeUnknown exports to look at again",
             **_DB_STEP,

@@ -27,7 +27,7 @@ from exports_client.contracts import (
     JobRow,
     validation_problems,
 )
-from exports_client.identity import export_workflow_id, tenant_priority
+from exports_client.identity import DELIVERY_KEY, EXPORT_TENANT, export_workflow_id, tenant_priority
 
 WORKFLOW_TYPE = "ExportWorkflow"
 DEFAULT_TASK_QUEUE = "exports"
@@ -44,6 +44,25 @@ _ROW_OR_NONE: Any = JobRow | None
 
 class InvalidRequest(ValueError):
     """An input that does not validate; nothing was sent."""
+
+
+async def _kept_run_is_this_export(handle: WorkflowHandle[Any, Any], create: CreateExport) -> None:
+    """A start that found its workflow ID's run open kept that run: the same request sent again, or another
+    tenant's (or another delivery key's) export under the same ID, which must not look started. What the open run
+    shows says which: the tenant it was started for (its fairness key) and, once it read its row, its tenant and
+    delivery key. A run that shows neither (started by hand, without a key) is taken as this request's."""
+    # The start's own answer says whether it made the run (the SDK keeps it on the handle, not in its API); only a
+    # run it did not make costs a look.
+    response = getattr(handle, "_start_workflow_response", None)
+    if response is not None and response.started:
+        return
+    kept = await handle.describe()
+    shown = {kept.raw_description.workflow_execution_info.priority.fairness_key,
+             kept.typed_search_attributes.get(EXPORT_TENANT)} - {"", None}
+    key = kept.typed_search_attributes.get(DELIVERY_KEY)
+    if shown - {str(create.tenant_id)} or (key is not None and key != create.delivery_key):
+        raise InvalidRequest(f"export {create.job_id} is another export (another tenant's, or another delivery "
+                             "key's), whose run is open: nothing started")
 
 
 class ExportNotRunning(Exception):
@@ -123,7 +142,7 @@ class ExportsWorkflowClient:
             )
         except ValidationError as exc:
             raise InvalidRequest(f"export refused, nothing sent: {validation_problems(exc)}") from None
-        await self.client.start_workflow(
+        handle = await self.client.start_workflow(
             WORKFLOW_TYPE,
             ExportInput(job_id=create.job_id, create=create),
             id=export_workflow_id(create.job_id),
@@ -132,6 +151,7 @@ class ExportsWorkflowClient:
             priority=tenant_priority(create.tenant_id),
             id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
         )
+        await _kept_run_is_this_export(handle, create)
         return create.job_id
 
     async def result(self, job_id: str | uuid.UUID) -> ExportResult:
