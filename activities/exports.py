@@ -52,7 +52,9 @@ _CLAIM_STEP: contextvars.ContextVar[ClaimStep | None] = contextvars.ContextVar("
 _DESTINATION_WAIT = 90.0
 # How often a claim waiting there heartbeats: well within its heartbeat timeout (workflows/export.py).
 _DESTINATION_HEARTBEAT = 10.0
-# How many attempts a run's read marks as waited on, when each it finds Delivering has been replaced by the next
+# The states whose attempt's own terminal write settles the row, perhaps from a step Temporal gave up.
+_ATTEMPT_UNDER_WAY = frozenset({Status.RUNNING, Status.DELIVERING})
+# How many attempts a run's read marks as waited on, when each it finds under way has been replaced by the next
 # meanwhile; past that the run waits with only its idle recheck.
 _WAIT_MARK_TRIES = 3
 
@@ -173,8 +175,8 @@ class ExportActivities(BuildActivities, DeliveryActivities):
         """Reads and decides; its writes are the conditional rejection and the mark of a run that waits on an
         upload, so a repeated wake-up is harmless."""
         row, destination = await self.store.read_job_and_destination(job_id)
-        if row is not None and row.status is Status.DELIVERING:
-            return Evaluation(row=await self._waiting_on_upload(row))
+        if row is not None and row.status in _ATTEMPT_UNDER_WAY:
+            return Evaluation(row=await self._waiting_on_attempt(row))
         if row is None or row.status is not Status.QUEUED:
             return Evaluation(row=row)
         if destination is None:
@@ -194,16 +196,16 @@ class ExportActivities(BuildActivities, DeliveryActivities):
             log.info("export %s rejected at version %s: %s", row.id, row.version, reason)
         return Evaluation(row=await self.store.read_job(row.id), reason=reason)
 
-    async def _waiting_on_upload(self, row: JobRow) -> JobRow | None:
-        """The run will wait for a wake-up on a `Delivering` row: its attempt's terminal write is to write one, which
-        that upload cannot always know to do (Temporal gave its step up while its heartbeats went nowhere). A row
-        that moved on meanwhile is returned as it is now, or marked again if another attempt delivers by then."""
+    async def _waiting_on_attempt(self, row: JobRow) -> JobRow | None:
+        """The run may wait for a wake-up on a `Running` or `Delivering` row: its attempt's terminal write is to
+        write one, which a step Temporal gave up cannot always know to do (its heartbeats went nowhere). A row that
+        moved on meanwhile is returned as it is now, or marked again if another attempt holds it by then."""
         for _ in range(_WAIT_MARK_TRIES):
-            assert row.attempt_id is not None  # a Delivering row names its attempt
-            if await self.store.run_waits_for_upload(row.id, row.attempt_id):
+            assert row.attempt_id is not None  # a Running or Delivering row names its attempt
+            if await self.store.run_waits_on_attempt(row.id, row.attempt_id):
                 return row
             again = await self.store.read_job(row.id)
-            if again is None or again.status is not Status.DELIVERING or again.attempt_id == row.attempt_id:
+            if again is None or again.status not in _ATTEMPT_UNDER_WAY or again.attempt_id == row.attempt_id:
                 return again
             row = again
         return row

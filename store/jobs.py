@@ -336,10 +336,10 @@ class JobStore(RoleStore):
     async def release_partner_session(self, job_id: UUID, attempt_id: UUID) -> None:
         await self._write("release_partner_session", job_id=job_id, attempt_id=attempt_id)
 
-    async def run_waits_for_upload(self, job_id: UUID, attempt_id: UUID) -> bool:
-        """A run found the row `Delivering` under `attempt_id` and waits: the attempt's terminal write wakes it
-        (run_waits_for_upload.sql). False when the row no longer reads so."""
-        return await self._write("run_waits_for_upload", job_id=job_id, attempt_id=attempt_id) == 1
+    async def run_waits_on_attempt(self, job_id: UUID, attempt_id: UUID) -> bool:
+        """A run found the row `Running` or `Delivering` under `attempt_id` and waits: the attempt's terminal write
+        wakes it (run_waits_on_attempt.sql). False when the row no longer reads so."""
+        return await self._write("run_waits_on_attempt", job_id=job_id, attempt_id=attempt_id) == 1
 
     async def release_lease(self, job_id: UUID, attempt_id: UUID, holder: str) -> bool:
         return await self._write("release_lease", job_id=job_id, attempt_id=attempt_id, holder=holder) == 1

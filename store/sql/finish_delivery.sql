@@ -1,7 +1,7 @@
 -- The attempt's terminal write after cutoff 2: Delivering -> Completed (with what confirmed it), Failed (with its
 -- code) or OutcomeUnknown, for this attempt only. With :wake (the delivery learnt that its run is gone, say
 -- terminated, or wrote past the step's bound, after Temporal gave it up), or when a run read the row unsettled and
--- waits on this attempt (run_waits_for_upload.sql; RETURNING reads the row as locked), an outbox row too: the
+-- waits on this attempt (run_waits_on_attempt.sql; RETURNING reads the row as locked), an outbox row too: the
 -- dispatcher wakes or starts a run that reads the row, so the view follows it.
 WITH finished AS (
     UPDATE export_jobs

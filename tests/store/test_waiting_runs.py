@@ -1,4 +1,4 @@
-"""A run that waits on an upload, and that upload's terminal write (migration 0017): whichever takes the row first,
+"""A run that waits on an attempt, and that attempt's terminal write (migration 0017): whichever takes the row first,
 the run learns of the end, by reading the settled row or by the write's wake-up. The store half of the chaos
 run's seed 738109; tests/workflows/test_crash.py has the run itself."""
 
@@ -10,8 +10,8 @@ from collections.abc import Awaitable
 import pytest
 
 from store.jobs import JobStore
-from store.models import Status
-from tests.helpers.store_states import drive, expire, outbox
+from store.models import CancellationOutcome, FailureCode, Status
+from tests.helpers.store_states import cancel, drive, expire, outbox
 from tests.helpers.support import create_job, seed_tenant
 from tests.store.test_race import BOUND, contend
 
@@ -37,7 +37,7 @@ async def test_a_waiting_run_and_the_terminal_write__either_order_the_run_learns
         before = len(await outbox(db, job_id))
 
         def waiting() -> Awaitable[bool]:
-            return store.run_waits_for_upload(job_id, attempt_id)
+            return store.run_waits_on_attempt(job_id, attempt_id)
 
         def writing() -> Awaitable[bool]:
             return finishing(store, job_id, attempt_id)
@@ -71,8 +71,27 @@ async def test_a_mark_names_its_attempt_only(db, store):
     """A mark is the attempt's: for another attempt ID it matches nothing, and after a lapse of the lease (a paused
     worker) it is still taken, changing no state."""
     job_id, attempt_id = await delivering(store, db)
-    assert not await store.run_waits_for_upload(job_id, uuid.uuid4())
+    assert not await store.run_waits_on_attempt(job_id, uuid.uuid4())
     await expire(db, job_id)
     row = await store.read_job(job_id)
-    assert await store.run_waits_for_upload(job_id, attempt_id)
+    assert await store.run_waits_on_attempt(job_id, attempt_id)
     assert await store.read_job(job_id) == row.model_copy(update={"run_waits_for": attempt_id})
+
+
+@pytest.mark.spec("HI4")
+@pytest.mark.parametrize("ending", ["Stopped", "Failed"])
+async def test_a_running_attempts_own_terminal_write_wakes_the_run_waiting_on_it(db, store, ending):
+    """A late cutoff 2 (Temporal gave it up, and the run read the row `Running` and waits) ends the attempt itself:
+    `Stopped` at a recorded stop, `Failed` at a refusal. Either wakes the run that marked the row, once."""
+    tenant_id, destination_id = await seed_tenant(db.admin)
+    job_id = await create_job(store, tenant_id, destination_id)
+    attempt_id = await drive(store, job_id, Status.RUNNING)
+    if ending == "Stopped":
+        assert (await cancel(store, tenant_id, job_id)).outcome is CancellationOutcome.STOP_REQUESTED
+    before = len(await outbox(db, job_id))
+    assert await store.run_waits_on_attempt(job_id, attempt_id)
+    if ending == "Stopped":
+        assert await store.finish_stopped(job_id, attempt_id, "BeforeDelivery")
+    else:
+        assert await store.finish_failed(job_id, attempt_id, FailureCode.ORIGINAL_DELIVERED, "arranged")
+    assert len(await outbox(db, job_id)) - before == 1

@@ -1,7 +1,0 @@
--- A run read its row `Delivering` and waits for a wake-up: the attempt's terminal write (finish_delivery.sql) is
--- to write one. Under the row lock, so the write either comes first (the run reads the row again and finds it
--- settled) or sees this mark. Written like a renewal (the row keeps its lease, as a Delivering row always does),
--- it changes no state, and the change check (migration 0005) passes it by.
-UPDATE export_jobs
-SET run_waits_for = attempt_id
-WHERE id = :job_id AND attempt_id = :attempt_id AND status = 'Delivering' AND lease_expires_at IS NOT NULL;

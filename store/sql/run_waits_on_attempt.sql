@@ -1,0 +1,10 @@
+-- A run read its row `Running` or `Delivering` and waits for a wake-up: the attempt's own terminal write
+-- (finish_delivery.sql, finish_stopped.sql, finish_failed.sql), made by a step that Temporal may have given up
+-- without that step knowing it, is to write one. Under the row lock, so the write either comes first (the run
+-- reads the row again and finds it settled) or sees this mark. Written like a renewal (the row keeps its lease,
+-- as a Running or Delivering row always does), it changes no state, and the change check (migration 0005) passes
+-- it by.
+UPDATE export_jobs
+SET run_waits_for = attempt_id
+WHERE id = :job_id AND attempt_id = :attempt_id AND status IN ('Running', 'Delivering')
+  AND lease_expires_at IS NOT NULL;
