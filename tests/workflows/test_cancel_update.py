@@ -15,24 +15,22 @@ import signal
 import subprocess
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
 
 import pytest
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client, WorkflowQueryFailedError, WorkflowUpdateFailedError
+from temporalio.client import WorkflowQueryFailedError, WorkflowUpdateFailedError
 from temporalio.common import Priority
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import PatchActivationInput
 
 from activities.contracts import ExportInput, ExportResult
-from starter.localstack.ports import free_port
-from starter.localstack.temporal import LocalTemporal
 from store.models import CancellationResult, Status
 from store.settings import Settings
 from tests.helpers.crash import crash_world, processes, start_worker
 from tests.helpers.harness import Harness, open_harness
+from tests.helpers.own_temporal import own_server, spend_signal_quota
 from tests.helpers.store_states import drive
 from tests.helpers.support import EXPORTS, eventually
 from workflows import patches
@@ -51,18 +49,6 @@ UPDATE_CAP = 20
 EARLY = patches.CANCEL_UPDATE
 _WORKFLOW_TASK = {EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED, EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED,
                   EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED}
-
-
-@asynccontextmanager
-async def _own_server(tmp_path, dynamic_config: dict[str, object]) -> AsyncIterator[Client]:
-    """A Temporal dev server of the test's own, with server limits lowered so that the test reaches them in seconds:
-    a client to it. Stopped afterwards."""
-    temporal = LocalTemporal(tmp_path / "temporal", ui_port=free_port(), dynamic_config=dynamic_config)
-    await temporal.start()
-    try:
-        yield await Client.connect(temporal.address, data_converter=pydantic_data_converter)
-    finally:
-        await temporal.stop()
 
 
 async def _waiting_run(h: Harness):
@@ -93,20 +79,14 @@ async def _events(handle, kind: EventType.ValueType) -> int:
 @pytest.mark.spec("LD7")
 async def test_past_the_servers_signal_cap_an_operator_still_cancels_by_update_and_junk_updates_cost_nothing(
         db, store, tmp_path, monkeypatch):
-    async with _own_server(tmp_path, {"history.maximumSignalsPerExecution": SIGNAL_CAP}) as client:
+    async with own_server(tmp_path, {"history.maximumSignalsPerExecution": SIGNAL_CAP}) as client:
         async with AsyncExitStack() as stack:
             h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False, early_patches=EARLY)
             job_id, handle = await _waiting_run(h)
             try:
                 # The flood: malformed cancels until the server refuses signals to this run.
-                refused = None
-                for n in range(2 * SIGNAL_CAP):
-                    try:
-                        await handle.signal("cancel", {"request_id": f"junk {n}"})
-                    except RPCError as err:
-                        refused = err
-                        break
-                assert refused is not None and "signal" in str(refused).lower(), refused
+                refused = await spend_signal_quota(handle, 2 * SIGNAL_CAP)
+                assert "signal" in str(refused).lower(), refused
                 with pytest.raises(RPCError):  # the signal path is closed to a valid cancel too
                     await handle.signal("cancel", _request(h))
 
@@ -150,7 +130,7 @@ async def test_another_tenants_cancel_updates_during_a_build_are_refused_unrecor
     after that; a run in the middle of an attempt cannot continue as new to renew it. A well-formed request for
     another tenant is junk: were it accepted (the row answers it NotFound), a few thousand of them during a build
     would close the operator's path. The validator refuses it, so it never enters the history."""
-    async with _own_server(tmp_path, {"history.maxTotalUpdates": UPDATE_CAP}) as client:
+    async with own_server(tmp_path, {"history.maxTotalUpdates": UPDATE_CAP}) as client:
         async with AsyncExitStack() as stack:
             # A build long enough for the whole flood: a stop ends it, through the database, within a second.
             h = await open_harness(stack, db, store, client, tmp_path, early_patches=EARLY, contacts=2000,
@@ -186,7 +166,7 @@ async def test_another_tenants_cancel_updates_while_the_claim_waits_for_a_build_
     """Under load, a claim waits (up to an hour) for a worker with a build slot free, and only its result brings the
     run its row. Meanwhile the tenant the run was started for (its fairness key, which the dispatcher sets) judges a
     cancel Update: another tenant's is refused and never uses up the quota; the tenant's own is recorded."""
-    async with _own_server(tmp_path, {"history.maxTotalUpdates": UPDATE_CAP}) as client:
+    async with own_server(tmp_path, {"history.maxTotalUpdates": UPDATE_CAP}) as client:
         async with AsyncExitStack() as stack:
             # One build slot, held by a slow build: the next export's claim waits for it.
             h = await open_harness(stack, db, store, client, tmp_path, early_patches=EARLY, contacts=2000,
@@ -319,7 +299,7 @@ async def test_a_waiting_run_flooded_with_signals_continues_as_new_and_never_rea
         db, store, tmp_path, monkeypatch):
     """Past the history length at which Temporal suggests it, a run between attempts continues as new: its
     history stays bounded, and a fresh run takes signals again, so the flood never closes the signal path."""
-    async with _own_server(tmp_path, {"history.maximumSignalsPerExecution": FLOOD_CAP,
+    async with own_server(tmp_path, {"history.maximumSignalsPerExecution": FLOOD_CAP,
                                       "limit.historyCount.suggestContinueAsNew": SUGGEST_AFTER}) as client:
         async with AsyncExitStack() as stack:
             h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False, early_patches=EARLY)
