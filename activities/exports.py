@@ -114,7 +114,7 @@ class ExportActivities(BuildActivities, DeliveryActivities):
             self.capacity.builds.claim_ended(step)
 
     async def _admit(self, request: AdmitInput) -> Admission:
-        evaluation = await self._evaluate(request.job_id)
+        evaluation = await self._evaluate(request.job_id, own_attempt=request.attempt_id)
         row = evaluation.row
         if row is not None and row.status is Status.RUNNING and row.attempt_id == request.attempt_id:
             return Admission(evaluation=evaluation,
@@ -129,7 +129,7 @@ class ExportActivities(BuildActivities, DeliveryActivities):
             if not self.capacity.shares.reserve(row.destination_id, key):
                 # Its destination holds its share of this worker (LD4): wait here, then read the row again.
                 await self._room_at(row.destination_id, key)
-                evaluation = await self._evaluate(request.job_id)
+                evaluation = await self._evaluate(request.job_id, own_attempt=request.attempt_id)
                 row = evaluation.row
                 if row is None or not evaluation.allowed:
                     return Admission(evaluation=evaluation, idle_recheck_seconds=self.settings.idle_recheck_seconds)
@@ -171,11 +171,12 @@ class ExportActivities(BuildActivities, DeliveryActivities):
                 f"({self.capacity.shares.limit} at once); the claim is scheduled again",
                 type=error_types.DESTINATION_BUSY, next_retry_delay=timedelta(seconds=1))
 
-    async def _evaluate(self, job_id: UUID) -> Evaluation:
-        """Reads and decides; its writes are the conditional rejection and the mark of a run that waits on an
-        upload, so a repeated wake-up is harmless."""
+    async def _evaluate(self, job_id: UUID, *, own_attempt: UUID | None = None) -> Evaluation:
+        """Reads and decides; its writes are the conditional rejection and the mark of a run that waits on another
+        attempt than `own_attempt` (the claim's own, found by its retry, is the run's to carry on: no wake-up), so a
+        repeated wake-up is harmless."""
         row, destination = await self.store.read_job_and_destination(job_id)
-        if row is not None and row.status in _ATTEMPT_UNDER_WAY:
+        if row is not None and row.status in _ATTEMPT_UNDER_WAY and row.attempt_id != own_attempt:
             return Evaluation(row=await self._waiting_on_attempt(row))
         if row is None or row.status is not Status.QUEUED:
             return Evaluation(row=row)

@@ -24,10 +24,11 @@ from starter.localstack.temporal import temporal_binary
 from store.db import asyncpg_dsn
 from store.models import CancellationResult, Status
 from tests.helpers.harness import open_harness
+from tests.helpers.own_temporal import own_server
 from tests.helpers.standins import temporal_cancel_before_the_row
 from tests.helpers.store_states import drive
 from tests.helpers.support import eventually, lock_row, unlock_row
-from tests.workflows.test_cancel_update import EARLY, _own_server, _request, _waiting_run
+from tests.workflows.test_cancel_update import EARLY, _request, _waiting_run
 from worker import running_worker
 from workflows.identity import export_workflow_id
 
@@ -198,6 +199,6 @@ async def test_a_temporal_cancel_before_the_row_is_read_is_not_lost_when_the_run
     has not read it, and waits for a wake-up; there it continues as new once Temporal suggests it. It did so with
     the cancel not yet a request, and the new run never heard of it: the export went on as if never cancelled. Now
     a run with such a cancel pending does not continue as new until the cancel is recorded."""
-    async with _own_server(tmp_path, {"limit.historyCount.suggestContinueAsNew": 20}) as client:
+    async with own_server(tmp_path, {"limit.historyCount.suggestContinueAsNew": 20}) as client:
         recorded, runs = await temporal_cancel_before_the_row(client)
     assert recorded == [TEMPORAL_CANCEL_OPERATOR], (recorded, runs)
