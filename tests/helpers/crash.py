@@ -12,9 +12,10 @@ from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.workflowservice.v1 import ResetStickyTaskQueueRequest
 
 from activities.contracts import RecoveryInput, RecoveryReport
-from tests.helpers.harness import Harness, WorkerProcess, open_harness
+from tests.helpers.harness import Harness, WorkerProcess, held_at, open_harness
 from tests.helpers.lease import LEASE, RENEW
 from tests.helpers.support import eventually
+from tests.helpers.tcp_cut import TcpCutProxy
 from worker import running_worker
 from workflows.identity import export_workflow_id
 
@@ -94,3 +95,17 @@ async def lease_expired(h: Harness, job_id: uuid.UUID) -> bool:
 async def wait_lease_expired(h: Harness, job_id: uuid.UUID) -> None:
     await eventually(lambda: lease_expired(h, job_id), bool, timeout=20, interval=0.1,
                      what="the dead worker's lease expired")
+
+
+async def held_with_temporal_down(h: Harness, started: list[WorkerProcess], temporal: TcpCutProxy,
+                                  checkpoint: str) -> uuid.UUID:
+    """A new export held at `checkpoint` on a worker that reaches Temporal only through `temporal`, whose way there
+    then goes down (PostgreSQL and the partner still answer it); a second worker carries the run on at once (the
+    held worker's cached run is forgotten). The export's ID."""
+    await start_worker(started, h, hold_at=checkpoint, max_builds=1, temporal_address=f"127.0.0.1:{temporal.port}")
+    job_id = await h.create()
+    await held_at(h.settings, checkpoint, job_id)
+    temporal.go_down()
+    await start_worker(started, h)
+    await forget_dead_worker(h, job_id)
+    return job_id

@@ -35,6 +35,7 @@ from store.models import ClaimResult, FailureCode, Status
 from tests.helpers.crash import (
     crash_world,
     forget_dead_worker,
+    held_with_temporal_down,
     processes,
     recorded_for,
     recover_on,
@@ -429,14 +430,8 @@ async def test_an_upload_whose_heartbeats_never_reached_temporal__the_waiting_ru
     before that way heals."""
     h = crash_harness
     async with processes(h) as started, TcpCutProxy(*temporal_upstream(h.client)) as temporal:
-        await start_worker(started, h, hold_at=checkpoints.AFTER_RECEIPT, max_builds=1,
-                           temporal_address=f"127.0.0.1:{temporal.port}")
-        job_id = await h.create()
-        await held_at(h.settings, checkpoints.AFTER_RECEIPT, job_id)
-        temporal.go_down()
+        job_id = await held_with_temporal_down(h, started, temporal, checkpoints.AFTER_RECEIPT)
         try:
-            await start_worker(started, h)  # the run goes on here, at once (its cached run is forgotten)
-            await forget_dead_worker(h, job_id)
             await upload_given_up_and_run_waiting(h, job_id)
             (Path(h.settings.work_dir) / f"release-{checkpoints.AFTER_RECEIPT}-{job_id}").touch()
             # The terminal write, while the worker still cannot reach Temporal: nothing it could hear from there

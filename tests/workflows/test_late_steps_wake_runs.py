@@ -13,9 +13,9 @@ from temporalio.api.enums.v1 import EventType
 from activities import checkpoints
 from activities.contracts import ExportResult
 from store.models import Status
-from tests.helpers.crash import forget_dead_worker, processes, start_worker
+from tests.helpers.crash import held_with_temporal_down, processes
 from tests.helpers.events import events
-from tests.helpers.harness import Harness, held_at
+from tests.helpers.harness import Harness
 from tests.helpers.support import eventually
 from tests.helpers.tcp_cut import TcpCutProxy, temporal_upstream
 from tests.workflows.test_crash import activity_runs, named
@@ -42,17 +42,12 @@ async def test_a_late_cutoff_2_that_writes_stopped_wakes_the_run_waiting_on_its_
     Temporal still waits for it, but Temporal gave the step up, and the run read the row `Running` (another
     attempt's, as far as its new read goes) and waits for a wake-up. An operator's stop is recorded meanwhile (the
     run wakes, reads Running again, waits again). Then cutoff 2 runs: STOP_RECORDED, and the step writes `Stopped`
-    itself (finish_stopped.sql), which writes no outbox row: the run learns of it only at its idle recheck."""
+    itself (finish_stopped.sql). Found by review: that write asked for no wake-up, and the run learnt of it only at
+    its idle recheck; the run's mark on the row (migration 0017) now makes it ask."""
     h = crash_harness
     async with processes(h) as started, TcpCutProxy(*temporal_upstream(h.client)) as temporal:
-        await start_worker(started, h, hold_at=checkpoints.BEFORE_CUTOFF_2, max_builds=1,
-                           temporal_address=f"127.0.0.1:{temporal.port}")
-        job_id = await h.create()
-        await held_at(h.settings, checkpoints.BEFORE_CUTOFF_2, job_id)
-        temporal.go_down()
+        job_id = await held_with_temporal_down(h, started, temporal, checkpoints.BEFORE_CUTOFF_2)
         try:
-            await start_worker(started, h)  # the run goes on here
-            await forget_dead_worker(h, job_id)
             await eventually(lambda: activity_runs(h, job_id),
                              lambda runs: [r.outcome for r in named(runs, "authorize_delivery")] == ["timed_out"]
                              and runs[-1].name == "claim_if_allowed" and runs[-1].outcome == "completed",
