@@ -14,12 +14,23 @@ log = logging.getLogger(__name__)
 
 async def sweep_batch(db: Database, *, threshold_seconds: float, batch: int) -> int:
     """One batch in one short transaction; the number of jobs republished (their outbox rows)."""
+    return (await _sweep(db, threshold_seconds=threshold_seconds, batch=batch))[1]
+
+
+async def _sweep(db: Database, *, threshold_seconds: float, batch: int) -> tuple[int, int]:
+    """One batch: how many due jobs it looked at, and how many of them it wrote a wake-up for (the others still
+    had one waiting unpublished)."""
     if batch < 1:
         raise ValueError("batch must be at least 1")
-    republished = (await db.write("sweep", threshold_seconds=float(threshold_seconds), batch=batch)).count
+    found = await db.write_row("sweep", threshold_seconds=float(threshold_seconds), batch=batch)
+    assert found is not None  # the statement's final SELECT always answers one row
+    looked_at, republished = int(found["looked_at"]), int(found["republished"])
     if republished:
         log.info("sweeper republished %d queued exports", republished)
-    return republished
+    if looked_at > republished:
+        log.warning("sweeper found %d queued exports whose wake-up still waits unpublished (are the dispatchers "
+                    "down, or Temporal away?); it adds none beside it", looked_at - republished)
+    return looked_at, republished
 
 
 async def sweep_batches(db: Database, *, threshold_seconds: float, batch: int, max_batches: int = 1000) -> int:
@@ -28,9 +39,9 @@ async def sweep_batches(db: Database, *, threshold_seconds: float, batch: int, m
     and the next run continues from there."""
     total = 0
     for _ in range(max_batches):
-        republished = await sweep_batch(db, threshold_seconds=threshold_seconds, batch=batch)
+        looked_at, republished = await _sweep(db, threshold_seconds=threshold_seconds, batch=batch)
         total += republished
-        if republished < batch:
+        if looked_at < batch:
             break
     else:
         log.warning("sweeper stopped after %d full batches; the next run continues", max_batches)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, TimeoutError, TimeoutType
 from temporalio.workflow import ActivityCancellationType
 
 from workflows.export_cancel import Cancellations
@@ -179,8 +179,10 @@ class ExportWorkflow:
         try:
             # On the admission queue, taken only by a worker with a build slot free: a Queued export waits here,
             # where no lease runs, never on a busy worker (LD1). Options are not replayed: unpatched. The bound
-            # only keeps a run from waiting on a queue that no worker polls (a rollback to 0.2.0).
-            admission: Admission = await workflow.execute_activity_method(
+            # only keeps a run from waiting on a queue that no worker polls (a rollback to 0.2.0). TRY_CANCEL: a
+            # claim given up for a Canceled row (below) can claim nothing, so the run need not wait for its step.
+            # Started here, not in a task of its own: its command keeps its place among the activation's.
+            claiming = workflow.start_activity_method(
                 ExportActivities.claim_if_allowed, AdmitInput(job_id=job_id, attempt_id=attempt_id),
                 summary="read row, evaluate policy, claim (on a worker with a build slot free)",
                 task_queue=admission_queue(workflow.info().task_queue),
@@ -193,7 +195,11 @@ class ExportWorkflow:
                 # timeout, as it did within the 30 s start-to-close before.
                 start_to_close_timeout=_CLAIM_TIMEOUT, heartbeat_timeout=_CLAIM_HEARTBEAT_TIMEOUT,
                 retry_policy=SHORT_STEP["retry_policy"],
+                cancellation_type=ActivityCancellationType.TRY_CANCEL,
             )
+            admission = await self._claim_unless_canceled_meanwhile(claiming)
+            if admission is None:
+                return await self._canceled_while_claiming(job_id)
         except ActivityError as err:
             # Ended visibly (its failure is in the history); the row is read again at the next wake-up.
             workflow.logger.warning("reading or claiming export %s failed: %s; waiting for the row", job_id,
@@ -210,6 +216,38 @@ class ExportWorkflow:
         if claim is not None and await self._attempt(row, attempt_id, claim, admission.attempt, show_steps=True):
             return None
         # Another attempt holds the row, or the claim is unconfirmed: the next wake-up, or a timer, re-reads.
+        await self._wait_for_wake()
+        return None
+
+    async def _claim_unless_canceled_meanwhile(self, claiming: workflow.ActivityHandle[Admission]) -> Admission | None:
+        """The claim's answer; or None once a cancellation the run recorded has left the row Canceled while the
+        claim still waits (for a build slot, which may take as long as another export's build): the claim is given
+        up, since it could claim nothing, and the run reads its row at once instead of lagging it."""
+        canceled = asyncio.ensure_future(workflow.wait_condition(lambda: self._state.canceled_seen))
+        try:
+            await workflow.wait([claiming, canceled], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            canceled.cancel()
+        if claiming.done() or not workflow.patched(patches.CANCELED_WHILE_CLAIMING):
+            return await claiming
+        claiming.cancel()
+        try:
+            return await claiming  # it may have answered after all
+        except ActivityError as err:
+            if not isinstance(err.cause, CancelledError):
+                raise
+            return None
+
+    async def _canceled_while_claiming(self, job_id: uuid.UUID) -> JobRow | None:
+        """The row, read on the shared queue (a read takes no build slot) after the claim was given up."""
+        self._state.woken = False  # the read comes after the wake-up that the recorded cancellation set
+        evaluation: Evaluation = await workflow.execute_activity_method(
+            ExportActivities.evaluate_policy, str(job_id), summary="read row (the claim given up: canceled)",
+            **SHORT_STEP
+        )
+        row = self._observe(evaluation.row)
+        if row.status.is_settled:
+            return row
         await self._wait_for_wake()
         return None
 

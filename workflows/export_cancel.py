@@ -35,7 +35,7 @@ with workflow.unsafe.imports_passed_through():
         CancelRequest,
     )
     from activities.exports import ExportActivities
-    from store.models import CancellationOutcome, CancellationResult
+    from store.models import CancellationOutcome, CancellationResult, Status
     from workflows import patches
 
 _STOP_OUTCOMES = (CancellationOutcome.STOP_REQUESTED, CancellationOutcome.STOP_ALREADY_REQUESTED)
@@ -229,6 +229,8 @@ class Cancellations:
             if self._ask_again_later(request):
                 return
         self._remember(request, result)
+        if outcome is CancellationOutcome.CANCELED_WHILE_QUEUED or result.found_status is Status.CANCELED:
+            self._state.canceled_seen = True
         if outcome in _STOP_OUTCOMES:
             self._state.stop_seen = True
             if self._state.build is not None:

@@ -47,6 +47,7 @@ class RunState:
         self.woken = False  # a wake-up arrived since the row was last read
         self.seen_messages: set[str] = set()  # wake-ups taken, by outbox message ID
         self.stop_seen = False  # a stop request is recorded: no build starts, a running one is cancelled
+        self.canceled_seen = False  # a recorded request found or left the row Canceled: nothing left to claim
         self.temporal_cancel = False  # Temporal's cancel of the run, not yet a stop request (the row is not known)
         self.build: workflow.ActivityHandle[BuildOutput] | None = None  # the build in flight, which a stop cancels
         self.delivered_row: JobRow | None = None  # the row the delivery's terminal write left, read back at once

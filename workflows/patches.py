@@ -36,10 +36,14 @@ RECOVERY_ROUNDS = "recovery-rounds"
 # know the Update could not replay a run that accepted one).
 CANCEL_UPDATE = "cancel-update"
 
+# Export runs that recorded this stopped waiting for their claim (on the admission queue, for a build slot) once a
+# recorded cancellation had left the row Canceled, and read the row at once (0.3.0 ships it understood).
+CANCELED_WHILE_CLAIMING = "canceled-while-claiming"
+
 # Written on new runs by this release.
 ACTIVE = frozenset({ROW_FROM_DELIVERY, WAKE_AFTER_SETTLED, POLICY_AND_CLAIM, BUSY_CANCEL_RETRY, RECOVERY_ROUNDS})
 # Replayed where a history recorded them, never written: the next release activates them.
-UNDERSTOOD: frozenset[str] = frozenset({CANCEL_UPDATE})
+UNDERSTOOD: frozenset[str] = frozenset({CANCEL_UPDATE, CANCELED_WHILE_CLAIMING})
 
 
 def activates(request: PatchActivationInput) -> bool:

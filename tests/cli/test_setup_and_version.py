@@ -87,10 +87,9 @@ async def test_migrate_to_the_previous_revision_and_back(db, tmp_path):
     settings = db.settings()
 
     async def head_migration_in_place() -> bool:
-        """Whether the head's migration is in place (0018: a hand-back names its attempt)."""
+        """Whether the head's migration is in place (0019: the unpublished wake-ups by export)."""
         return bool(await db.admin.fetchval(
-            "SELECT count(*) FROM information_schema.columns WHERE table_name = 'export_jobs' "
-            "AND column_name = 'handed_back_attempt'"))
+            "SELECT count(*) FROM pg_indexes WHERE indexname = 'ix_outbox_unpublished_job'"))
 
     down = await exports_command(settings, "migrate", "--to", PREVIOUS, cwd=tmp_path)
     assert down.code == 0 and f"at {PREVIOUS} (was {head_revision()})" in down.stdout, down

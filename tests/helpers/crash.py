@@ -9,8 +9,11 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.enums.v1 import EventType
 from temporalio.api.workflowservice.v1 import ResetStickyTaskQueueRequest
+from temporalio.service import RPCError, RPCStatusCode
 
+from activities import checkpoints
 from activities.contracts import RecoveryInput, RecoveryReport
 from tests.helpers.harness import Harness, WorkerProcess, held_at, open_harness
 from tests.helpers.lease import LEASE, RENEW
@@ -109,3 +112,25 @@ async def held_with_temporal_down(h: Harness, started: list[WorkerProcess], temp
     await start_worker(started, h)
     await forget_dead_worker(h, job_id)
     return job_id
+
+
+async def claim_waiting_for_a_build_slot(h: Harness) -> tuple[uuid.UUID, uuid.UUID]:
+    """With a worker of one build slot held at `build_started` running: a first export holds that slot, and a second
+    export's claim is scheduled on the admission queue, where no worker takes it. Both exports' IDs."""
+    first = await h.create()
+    await held_at(h.settings, checkpoints.BUILD_STARTED, first)
+    second = await h.create()
+
+    async def scheduled() -> list[str]:
+        try:
+            history = await h.client.get_workflow_handle(export_workflow_id(second)).fetch_history()
+        except RPCError as err:
+            if err.status is RPCStatusCode.NOT_FOUND:
+                return []  # not started yet: the dispatcher has not published the creation's wake-up
+            raise
+        return [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
+                if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
+
+    await eventually(scheduled, lambda names: names == ["claim_if_allowed"], timeout=30, interval=0.2,
+                     what="the second export's claim waiting for a build slot")
+    return first, second

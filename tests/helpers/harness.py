@@ -174,6 +174,11 @@ async def held_at(settings: Settings, checkpoint: str, job_id: uuid.UUID, timeou
                      what=f"export {job_id} held at {checkpoint}")
 
 
+def release_held(settings: Settings, checkpoint: str, job_id: uuid.UUID) -> None:
+    """Let the export that a worker process holds at `checkpoint` go on."""
+    (Path(settings.work_dir) / f"release-{checkpoint}-{job_id}").touch()
+
+
 async def run_recovery(client: Client, settings: Settings) -> RecoveryReport:
     """One recovery run, as its schedule starts it, on the test's task queue."""
     return await client.execute_workflow(

@@ -17,6 +17,7 @@ import pytest
 from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
+from activities import checkpoints
 from activities.contracts import (
     FollowUpInput,
     FollowUpReport,
@@ -28,6 +29,7 @@ from activities.contracts import (
 from store.db import asyncpg_dsn
 from store.models import CancellationOutcome, CancellationResult, Status
 from tests.helpers.crash import (
+    claim_waiting_for_a_build_slot,
     crash_world,
     processes,
     recorded_for,
@@ -42,6 +44,7 @@ from tests.helpers.harness import (
     delivering,
     held_at,
     open_harness,
+    release_held,
     stranded_in_queued,
     unknown_original,
 )
@@ -131,6 +134,23 @@ async def test_export_canceled_while_queued(db, store, client, tmp_path):
                 lambda unpublished: unpublished == 0, timeout=30, what=f"the wake-up of {job_id} published")
             assert (await h.settled(job_id)).status is Status.CANCELED
         await record_export(h, job_id, "export_canceled_while_queued")
+
+
+async def test_export_canceled_while_claiming(db, store, client, tmp_path):
+    """The canceled-while-claiming branch, as the release that activates it writes it: the claim, waiting for the
+    only build slot, given up once the recorded cancellation left the row Canceled, and the row read at once."""
+    async with crash_world(db, store, client, tmp_path) as h, processes(h) as started:
+        await start_worker(started, h, hold_at=checkpoints.BUILD_STARTED, max_builds=1,
+                           early_patches=patches.CANCELED_WHILE_CLAIMING)
+        first, second = await claim_waiting_for_a_build_slot(h)
+        try:
+            result = await h.exports.cancel(tenant_id=h.tenant_id, job_id=second, requested_by="ops@example.com",
+                                            reason="not this week")
+            assert result.outcome is CancellationOutcome.CANCELED_WHILE_QUEUED
+            assert (await h.settled(second)).status is Status.CANCELED
+            await record_export(h, second, "export_canceled_while_claiming")
+        finally:
+            release_held(h.settings, checkpoints.BUILD_STARTED, first)
 
 
 async def test_export_rejected(harness: Harness):

@@ -32,16 +32,20 @@ def threshold(db) -> float:
 
 
 async def queued(db, store: JobStore, tenant, *, minutes_since_wake: float) -> uuid.UUID:
-    """A queued job whose only wake-up was written that long ago (and, for the story, lost)."""
+    """A queued job whose only wake-up was written that long ago, published, and lost on its way."""
     job_id = await create_job(store, *tenant)
     await age(db, job_id, minutes_since_wake)
     return job_id
 
 
 async def age(db, job_id: uuid.UUID, minutes: float) -> None:
+    """The job's last wake-up that long ago; every wake-up it has was published (and lost: no run took it), since
+    the sweep adds none beside one that waits unpublished."""
     await db.admin.execute(
         "UPDATE export_jobs SET woken_at = clock_timestamp() - make_interval(mins => $2) WHERE id = $1",
         job_id, minutes)
+    await db.admin.execute(
+        "UPDATE outbox SET published_at = clock_timestamp() WHERE job_id = $1 AND published_at IS NULL", job_id)
 
 
 async def job(db, job_id: uuid.UUID) -> asyncpg.Record:
@@ -161,6 +165,9 @@ async def test_sweeps_racing_claims_and_cancellations_never_wake_a_job_that_left
             await db.admin.execute(
                 "UPDATE export_jobs SET woken_at = clock_timestamp() - interval '31 minutes' "
                 "WHERE id = ANY($1::uuid[]) AND status = 'Queued'", jobs)
+            await db.admin.execute(
+                "UPDATE outbox SET published_at = clock_timestamp() WHERE job_id = ANY($1::uuid[]) "
+                "AND published_at IS NULL", jobs)
 
     results = await asyncio.wait_for(
         asyncio.gather(keep_sweeping(), keep_sweeping(), *(leave_queue(i, j) for i, j in enumerate(jobs))),
@@ -257,3 +264,28 @@ async def test_the_sweep_finds_its_due_rows_through_the_index_bounds_not_by_read
     woken = [n for n in scans(plan[0]["Plan"]) if n.get("Index Name") == "ix_export_jobs_woken"]
     assert woken and all("woken_at" in n.get("Index Cond", "") for n in woken), woken
     assert sum(n.get("Rows Removed by Filter", 0) + n["Actual Rows"] for n in woken) == 0, woken
+    # An export's unsent wake-ups are asked for by an index probe, not by reading the outbox, which keeps its
+    # published rows.
+    probes = [n for n in scans(plan[0]["Plan"]) if n.get("Relation Name") == "outbox" and "Scan" in n["Node Type"]]
+    assert probes and all(n.get("Index Name") == "ix_outbox_unpublished_job" for n in probes), probes
+
+
+async def test_an_export_whose_wake_up_still_waits_unpublished_gets_no_other(db, store, app_engine, tenant,
+                                                                             threshold):
+    """While no dispatcher publishes (Temporal away, every dispatcher down), each sweep past the threshold found the
+    export stranded again and added a wake-up: 48 a day for one export, each a signal once Temporal came back. One
+    unpublished wake-up wakes the run as well as any number: the sweep adds none while one waits, and looks at the
+    export again one threshold later."""
+    job_id = await create_job(store, *tenant)  # its creation's wake-up, never published
+    for _ in range(5):  # five sweeps, each one threshold after the last (2.5 hours of outage)
+        await db.admin.execute(
+            "UPDATE export_jobs SET woken_at = clock_timestamp() - interval '31 minutes' WHERE id = $1", job_id)
+        assert await sweep_once(app_engine, threshold) == 0
+        assert (await job(db, job_id))["since"].total_seconds() < 60  # looked at: not due again at once
+    assert len(await outbox(db, job_id)) == 1
+    assert (await job(db, job_id))["sweep_count"] == 0
+    # Once that wake-up has gone out (and was lost on its way), the next sweep writes a fresh one.
+    await db.admin.execute("UPDATE outbox SET published_at = clock_timestamp() WHERE job_id = $1", job_id)
+    await age(db, job_id, 31)
+    assert await sweep_once(app_engine, threshold) == 1
+    assert len(await outbox(db, job_id)) == 2
