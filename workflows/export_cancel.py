@@ -68,6 +68,7 @@ class Cancellations:
         self._answers: dict[_Asked, CancellationResult | str] = {}  # request -> outcome, or why none
         self._updates_waiting = 0
         self._refused_unlogged = 0  # refusals since the last line logged
+        self._temporal_cancel_asked_for: uuid.UUID | None = None  # the tenant asked before the row was read
         self._last_refusal = ""
 
     @property
@@ -158,15 +159,30 @@ class Cancellations:
             del self._answers[next(iter(self._answers))]
 
     def stop_for_temporal_cancel(self) -> None:
-        """Temporal's cancel of the run, once the row (and so the tenant) is known, as a stop request of its own."""
-        row = self._state.row
-        if row is None or not self._state.temporal_cancel:
+        """Temporal's cancel of the run as a stop request of its own, for the row's tenant once the row is read.
+
+        Before that read, which comes with the claim and so may wait an hour for a build slot, a run that takes the
+        canceled-while-claiming branch asks at once for the tenant its start named: the export, still Queued, is
+        then cancelled, not claimed and built first. If the row turns out to be another tenant's (a start by hand
+        keyed wrongly), that request found no export, and the row's tenant is asked once the row is read."""
+        if not self._state.temporal_cancel:
             return
-        self._state.temporal_cancel = False
+        row = self._state.row
+        if row is None:
+            tenant = self._state.start_tenant
+            if (tenant is None or self._temporal_cancel_asked_for is not None
+                    or not workflow.patched(patches.CANCELED_WHILE_CLAIMING)):
+                return
+            self._temporal_cancel_asked_for = tenant
+        else:
+            self._state.temporal_cancel = False
+            if row.tenant_id == self._temporal_cancel_asked_for:
+                return  # asked already, for this tenant
+            tenant = row.tenant_id
         info = workflow.info()
         self._pending.append(CancelRequest(
             request_id=uuid.uuid5(_TEMPORAL_CANCEL, info.run_id),
-            tenant_id=row.tenant_id,
+            tenant_id=tenant,
             requested_by=TEMPORAL_CANCEL_OPERATOR,
             reason=f"Temporal cancel of workflow {info.workflow_id}, run {info.run_id}",
         ))

@@ -153,6 +153,21 @@ async def test_export_canceled_while_claiming(db, store, client, tmp_path):
             release_held(h.settings, checkpoints.BUILD_STARTED, first)
 
 
+async def test_export_temporal_cancel_while_claiming(db, store, client, tmp_path):
+    """The same branch reached by Temporal's cancel before the run has read its row: the request asked for the
+    start's tenant at once, then the claim given up and the row read."""
+    async with crash_world(db, store, client, tmp_path) as h, processes(h) as started:
+        await start_worker(started, h, hold_at=checkpoints.BUILD_STARTED, max_builds=1,
+                           early_patches=patches.CANCELED_WHILE_CLAIMING)
+        first, second = await claim_waiting_for_a_build_slot(h)
+        try:
+            await h.client.get_workflow_handle(export_workflow_id(second)).cancel()
+            assert (await h.settled(second)).status is Status.CANCELED
+            await record_export(h, second, "export_temporal_cancel_while_claiming")
+        finally:
+            release_held(h.settings, checkpoints.BUILD_STARTED, first)
+
+
 async def test_export_rejected(harness: Harness):
     await harness.db.admin.execute("UPDATE destinations SET enabled = false WHERE id = $1", harness.destination_id)
     job_id = await harness.create()

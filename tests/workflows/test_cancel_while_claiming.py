@@ -5,15 +5,17 @@ release understands and the next one writes (workflows/patches.py): here its wor
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import pytest
 from temporalio.api.enums.v1 import EventType
+from temporalio.common import Priority
 
 from activities import checkpoints
-from activities.contracts import ExportResult
+from activities.contracts import TEMPORAL_CANCEL_OPERATOR, ExportInput, ExportResult
 from store.models import Status
 from tests.helpers.crash import claim_waiting_for_a_build_slot, processes, start_worker
-from tests.helpers.harness import release_held
+from tests.helpers.harness import held_at, release_held
 from tests.helpers.support import eventually
 from tests.workflows.test_crash import activity_runs, named
 from workflows import patches
@@ -81,3 +83,65 @@ async def test_without_the_patch_the_run_keeps_waiting_for_its_claim(crash_harne
         history = await handle.fetch_history()
         assert not any(e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED
                        and patches.CANCELED_WHILE_CLAIMING.encode() in e.SerializeToString() for e in history.events)
+
+
+@pytest.mark.spec("HI4", "LD1")
+async def test_temporal_cancel_while_the_claim_waits_for_a_build_slot_cancels_the_queued_export(crash_harness):
+    """The UI's Cancel (Temporal's cancel of the run) before the run has read its row: the run knows its tenant
+    from its start, so it asks at once, and the export ends CanceledWhileQueued. Before, the request waited for the
+    row, which came with the claim: once a build slot freed, the export was claimed, its build started, and the
+    stop then ended it `Stopped`, a build late."""
+    h = crash_harness
+    async with processes(h) as started:
+        await start_worker(started, h, hold_at=checkpoints.BUILD_STARTED, max_builds=1,
+                           early_patches=patches.CANCELED_WHILE_CLAIMING)
+        first, second = await claim_waiting_for_a_build_slot(h)
+        handle = h.client.get_workflow_handle(export_workflow_id(second), result_type=ExportResult)
+        try:
+            await handle.cancel()
+            await eventually(lambda: h.store.read_job(second), lambda r: r.status is not Status.QUEUED,
+                             timeout=30, interval=0.2, what="the Temporal cancel reaching the row")
+        finally:
+            release_held(h.settings, checkpoints.BUILD_STARTED, first)
+        result = await asyncio.wait_for(handle.result(), timeout=60)
+        row = await h.store.read_job(second)
+        assert (result.status, row.status, row.attempt_count) == (Status.CANCELED, Status.CANCELED, 0)
+        requests = await h.db.admin.fetch(
+            "SELECT requested_by, outcome FROM cancellation_requests WHERE job_id = $1", second)
+        assert [r["outcome"] for r in requests] == ["CanceledWhileQueued"]
+        assert requests[0]["requested_by"].startswith(TEMPORAL_CANCEL_OPERATOR)  # with the canceller's identity
+        assert (await h.settled(first)).status is Status.COMPLETED
+
+
+async def test_a_temporal_cancel_asked_for_a_wrong_start_tenant_is_asked_again_for_the_rows(crash_harness):
+    """A run started by hand keyed to another tenant: the request asked before the row was read finds no export
+    (and records nothing); once the claim reads the row, the row's tenant is asked, so the cancel is never lost."""
+    h = crash_harness
+    async with processes(h) as started:
+        await start_worker(started, h, hold_at=checkpoints.BUILD_STARTED, max_builds=1,
+                           early_patches=patches.CANCELED_WHILE_CLAIMING)
+        first = await h.create()
+        await held_at(h.settings, checkpoints.BUILD_STARTED, first)
+        second = uuid.uuid4()
+        handle = await h.client.start_workflow(
+            "ExportWorkflow", ExportInput(job_id=second), id=export_workflow_id(second),
+            task_queue=h.settings.task_queue, result_type=ExportResult,
+            priority=Priority(fairness_key=str(uuid.uuid4())))
+        await h.store.create_job(job_id=second, tenant_id=h.tenant_id, destination_id=h.destination_id,
+                                 delivery_key=second.hex, created_by="tests")
+        try:
+            await handle.cancel()
+            await eventually(lambda: activity_runs(h, second),
+                             lambda runs: any(r.name.startswith("record_cancellation") and r.outcome == "completed"
+                                              for r in runs),
+                             timeout=30, interval=0.2, what="the request for the start's tenant asked")
+            assert (await h.store.read_job(second)).status is Status.QUEUED  # that tenant has no such export
+        finally:
+            release_held(h.settings, checkpoints.BUILD_STARTED, first)
+        result = await asyncio.wait_for(handle.result(), timeout=60)
+        # Asked again for the row's tenant once the claim read the row (and claimed it: the slot had freed).
+        assert result.status in (Status.STOPPED, Status.CANCELED)
+        requests = await h.db.admin.fetch(
+            "SELECT tenant_id, requested_by FROM cancellation_requests WHERE job_id = $1", second)
+        assert [r["tenant_id"] for r in requests] == [h.tenant_id]
+        assert requests[0]["requested_by"].startswith(TEMPORAL_CANCEL_OPERATOR)
