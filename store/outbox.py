@@ -19,7 +19,12 @@ its own message ID, and the export's workflow ignores a second delivery of one m
 its session was ended may publish the row it was publishing once more; it cannot mark it (its session is gone), and
 its pass ends there.
 
-A pass that finds the lock taken gets None; `lock_holder` says who holds it, for the dispatcher's log.
+A pass that finds the lock taken gets None; `lock_holder` says who holds it, for the dispatcher's log. Any role
+that may connect can take the lock (its key is a constant), and only a dispatcher's own session bounds its silence:
+a session of another role that holds it would stop every dispatcher for as long as it lives. So `lock_holder` also
+says whether the holder is of the dispatchers' role, and a pass may be asked to run without the lock
+(`dispatch_pass(unlocked=True)`); the dispatcher does so while a session of another role holds it, since publishing
+a row twice is harmless.
 """
 
 from __future__ import annotations
@@ -64,7 +69,8 @@ _TOUCH = text("SELECT pg_backend_pid()")
 # Who holds the lock: pg_locks shows every session's pid; pg_stat_activity shows the holder's state only to its own
 # role (every dispatcher's) and to roles allowed to read all statistics.
 _HOLDER = text("""
-SELECT l.pid, a.state, extract(epoch FROM clock_timestamp() - a.state_change)::float8 AS silent_seconds
+SELECT l.pid, a.state, extract(epoch FROM clock_timestamp() - a.state_change)::float8 AS silent_seconds,
+       a.usename AS role, a.usename = current_user AS ours
   FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
  WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
@@ -82,12 +88,14 @@ class Pending:
 
 @dataclass(frozen=True)
 class LockHolder:
-    """The session that holds the outbox lock: its backend pid, and its state and silence when this role may see
-    them (None otherwise)."""
+    """The session that holds the outbox lock: its backend pid, its state and silence when this role may see them
+    (None otherwise), and its role, and whether that is this dispatcher's (None when not known)."""
 
     pid: int
     state: str | None
     silent_seconds: float | None
+    role: str | None = None
+    ours: bool | None = None
 
 
 class LockLost(Exception):
@@ -101,7 +109,8 @@ class OutboxPass:
     lock may be another dispatcher's by now, and LockLost ends the pass), and is bounded by that same time on the
     client (a statement lost in a silent network ends the pass with LockLost, not after TCP's many minutes)."""
 
-    def __init__(self, conn: AsyncConnection, pid: int, idle_seconds: float) -> None:
+    def __init__(self, conn: AsyncConnection, pid: int, idle_seconds: float, *, locked: bool = True) -> None:
+        self.locked = locked  # False: a pass run without the lock, which a session of another role holds
         self._conn = conn
         self._pid = pid
         self._idle_seconds = idle_seconds
@@ -170,8 +179,9 @@ class Outbox(RoleStore):
         self.lock_idle_seconds = lock_idle_seconds
 
     @asynccontextmanager
-    async def dispatch_pass(self) -> AsyncIterator[OutboxPass | None]:
-        """One pass on one session holding the outbox lock; None when another session holds it."""
+    async def dispatch_pass(self, *, unlocked: bool = False) -> AsyncIterator[OutboxPass | None]:
+        """One pass on one session holding the outbox lock; None when another session holds it, unless `unlocked`:
+        then a pass without the lock (`OutboxPass.locked` False)."""
         async with self.db.connection() as conn:
             try:
                 async with asyncio.timeout(self.lock_idle_seconds):
@@ -182,7 +192,8 @@ class Outbox(RoleStore):
                 await conn.invalidate()
                 raise
             if not taken.locked:
-                yield None
+                # Nothing to release: the session's timeouts are set only with the lock.
+                yield OutboxPass(conn, taken.pid, self.lock_idle_seconds, locked=False) if unlocked else None
                 return
             try:
                 yield OutboxPass(conn, taken.pid, self.lock_idle_seconds)
@@ -197,7 +208,8 @@ class Outbox(RoleStore):
         except Exception as exc:
             log.debug("could not ask who holds the outbox lock: %s", errors.describe(exc))
             return None
-        return None if row is None else LockHolder(row["pid"], row["state"], row["silent_seconds"])
+        return None if row is None else LockHolder(row["pid"], row["state"], row["silent_seconds"], row["role"],
+                                                   row["ours"])
 
     @property
     def _idle_ms(self) -> str:

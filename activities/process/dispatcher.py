@@ -89,6 +89,8 @@ class OutboxDispatcher:
         self._failing = False
         self._lock_taken_since: float | None = None  # since when every pass has found the lock taken
         self._lock_wait_said = False  # and whether that wait has been warned about
+        # A session of another role that holds the outbox lock past the bound: passes run without the lock meanwhile.
+        self._squatter: LockHolder | None = None
         self._refusals: dict[UUID, int] = {}  # rows Temporal refused for their own run, and how many times
         self._stop: asyncio.Event | None = None
 
@@ -108,11 +110,14 @@ class OutboxDispatcher:
     async def dispatch_once(self) -> int:
         """Publish one batch of unpublished rows; the number published (0 while another dispatcher holds the lock)."""
         published = 0
-        async with self.outbox.dispatch_pass() as outbox:
+        async with self.outbox.dispatch_pass(unlocked=self._squatter is not None) as outbox:
             if outbox is None:
                 await self._lock_taken()
                 return 0
-            self._lock_free()
+            if outbox.locked:
+                self._lock_free()
+            elif not await self._still_squatted():
+                return 0
             started = time.monotonic()
             rows = await outbox.pending(self.batch)
             while rows and not (self._stop is not None and self._stop.is_set()):
@@ -178,11 +183,21 @@ class OutboxDispatcher:
 
     async def _lock_taken(self) -> None:
         """A skipped pass: debug, until passes have found the lock taken for longer than a poll interval; then one
-        warning for this wait, naming the holder."""
+        warning for this wait, naming the holder. Past twice the bound on a holder's silence (a dispatcher's own
+        session that stops answering loses the lock within one), a holder of another role is taken for what it is:
+        not a dispatcher, and bound by nothing; the next passes publish without the lock."""
         now = time.monotonic()
         if self._lock_taken_since is None:
             self._lock_taken_since = now
         waited = now - self._lock_taken_since
+        if waited >= 2 * self.outbox.lock_idle_seconds:
+            holder = await self.outbox.lock_holder()
+            if holder is not None and holder.ours is False:
+                self._squatter = holder
+                log.error("the outbox lock has been held for %.1f s by backend pid %d of role %s, not a dispatcher "
+                          "(nothing bounds its silence): passes publish without the lock until it lets go; a row "
+                          "may be published twice meanwhile, which is harmless", waited, holder.pid, holder.role)
+                return
         if self._lock_wait_said or waited < self.poll_seconds:
             log.debug("outbox lock taken by another session: this pass publishes nothing")
             return
@@ -191,8 +206,27 @@ class OutboxDispatcher:
                     "lock after %g s of silence, and this dispatcher then takes over",
                     waited, _holder(await self.outbox.lock_holder()), self.outbox.lock_idle_seconds)
 
+    async def _still_squatted(self) -> bool:
+        """Before a pass without the lock: whether a session of another role still holds it. Once it has let go,
+        the next pass takes the lock again (this one publishes nothing)."""
+        squatter = self._squatter
+        assert squatter is not None  # a pass runs without the lock only while one is known
+        holder = await self.outbox.lock_holder()
+        if holder is not None and holder.ours is False:
+            return True
+        log.warning("the outbox lock is no longer held by backend pid %d of role %s: passes take it again",
+                    squatter.pid, squatter.role)
+        self._squatter = None
+        self._lock_taken_since = None
+        self._lock_wait_said = False
+        return False
+
     def _lock_free(self) -> None:
-        if self._lock_wait_said and self._lock_taken_since is not None:
+        if self._squatter is not None:
+            log.warning("outbox lock taken again: backend pid %d of role %s let go of it", self._squatter.pid,
+                        self._squatter.role)
+            self._squatter = None
+        elif self._lock_wait_said and self._lock_taken_since is not None:
             log.info("outbox lock taken again after %.1f s: outbox dispatch works again",
                      time.monotonic() - self._lock_taken_since)
         self._lock_taken_since = None

@@ -260,3 +260,47 @@ async def test_a_dispatcher_cut_off_from_postgresql_mid_pass_ends_its_pass_and_a
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(client.get_workflow_handle(export_workflow_id(job_id)).terminate(
                         "test over"), 10)
+
+
+@pytest.mark.spec("FG4")
+@pytest.mark.parametrize("role", ["app", "reconciler"])
+async def test_a_session_of_another_role_holding_the_outbox_lock_stops_dispatch_for_a_bounded_time(
+        db, store, client, caplog, role):
+    """Any role that may connect can take the outbox lock (its key is a constant), and only a dispatcher's own session
+    bounds its silence: an idle session of the application's or the reconciler's role that took it stopped every
+    dispatcher for as long as it lived, and with them every export started through the outbox. A dispatcher now
+    publishes without the lock once a session of another role has held it past the bound (two dispatchers may then
+    publish a row twice, which is harmless), and says so."""
+    caplog.set_level(logging.WARNING, logger=DISPATCHER_LOG)
+    tenant_id, destination_id = await seed_tenant(db.admin)
+    squatter = await db.connect(role)
+    engine = make_engine(db.url("dispatcher"))
+    try:
+        assert await squatter.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY)
+        job_id = await create_job(store, tenant_id, destination_id)
+        outbox = Outbox(engine, lock_idle_seconds=1)
+        dispatcher = OutboxDispatcher(client, outbox, asyncpg_dsn(db.url("dispatcher")),
+                                      task_queue=f"squatted-{uuid.uuid4().hex[:8]}", poll_seconds=0.2)
+        started = time.monotonic()
+
+        async def pass_then_row() -> dict:
+            await asyncio.wait_for(dispatcher.dispatch_once(), BOUND)
+            return await outbox_row(db, job_id)
+
+        await eventually(pass_then_row, lambda row: row["published_at"] is not None, timeout=BOUND, interval=0.2,
+                         what=f"the wake-up published with the lock held by an idle {role} session")
+        waited = time.monotonic() - started
+        assert waited < 10 * outbox.lock_idle_seconds, waited
+        assert (await lock_holder(db))["pid"] == await squatter.fetchval("SELECT pg_backend_pid()")  # still held
+        await client.get_workflow_handle(export_workflow_id(job_id)).describe()  # the run was started
+        said = [r.getMessage() for r in caplog.records if r.name == DISPATCHER_LOG]
+        assert any("not a dispatcher" in line for line in said), said
+        # Let go: the next pass takes the lock again, as dispatchers do.
+        await squatter.execute("SELECT pg_advisory_unlock($1)", LOCK_KEY)
+        await create_job(store, tenant_id, destination_id)
+        assert await asyncio.wait_for(dispatcher.dispatch_once(), BOUND) == 1
+        said = [r.getMessage() for r in caplog.records if r.name == DISPATCHER_LOG]
+        assert any(line.startswith("outbox lock taken again") for line in said), said
+    finally:
+        await squatter.close()
+        await engine.dispose()
