@@ -135,14 +135,14 @@ class BuildActivities(ExportActivitiesBase):
         try:
             async with self._heartbeating(lambda: dict(progress)):
                 if self.capacity.builds.holds((job.id, attempt_id)) or self.capacity.builds.free:
-                    await self._slot(self.capacity.builds, job.id, attempt_id, progress)
+                    await self._slot(self.capacity.builds, job, attempt_id, progress)
                 else:
                     # A build resumed on a busy worker waits for a slot, Running and leased: a stop recorded
                     # meanwhile is heard now, not once a slot frees (minutes, behind slow builds).
                     try:
                         async with StopWatch(self.stop_listener, self.store, job.id, attempt_id,
                                              metrics.timed_stop(job.id, attempt_id, on_stop)):
-                            await self._slot(self.capacity.builds, job.id, attempt_id, progress)
+                            await self._slot(self.capacity.builds, job, attempt_id, progress)
                     except asyncio.CancelledError:
                         ended = await run_to_end(self._after_build_cancelled(lease, lost, lapsing, job.id,
                                                                              attempt_id, holder,

@@ -291,6 +291,17 @@ class DestinationShares:
             await self._freed.wait(remaining)
         return True
 
+    def adopt(self, destination: UUID, key: Key) -> None:
+        """An attempt that holds a slot here without this worker's claim having reserved its place (a claim's retry
+        that finds its own commit, a build resumed here, an upload that takes its slot again): counted among its
+        destination's attempts from now on, whatever the share, since it exists already. Call it once the attempt
+        holds its slot (or with no await before it takes it): an attempt that holds none is not counted."""
+        if key in self._claimed:
+            return
+        self._claiming.pop(key, None)
+        self._claimed[key] = destination
+        self.changed()
+
     def settle(self, key: Key, *, claimed: bool) -> None:
         """The claim's answer: a claimed attempt keeps its place while it holds a slot; any other gives it up."""
         destination = self._claiming.pop(key, None)

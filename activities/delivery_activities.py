@@ -80,12 +80,15 @@ class DeliveryActivities(ExportActivitiesBase):
         lease = self._keeper(job.id, attempt_id, file.holder, gone.set, on_lapsing=gone.set)
         result = AuthorizationResult.UNKNOWN
         try:
-            # Cutoff 2 only with a session at the partner (LD3) and an upload slot here (LD2) held: an authorized
-            # attempt's upload can always start.
-            stopped_waiting = await self._unless_interrupted(self._partner_session(job, attempt_id, details), gone)
+            # Cutoff 2 only with an upload slot here (LD2) and a session at the partner (LD3) held: an authorized
+            # attempt's upload can always start. The slot first: a session counts across every worker, and one held
+            # while its attempt waited for this worker's slot (behind uploads to a slow partner) kept that partner's
+            # exports waiting on every worker. A slot held while waiting for a session costs only this worker, and
+            # at most its destination's share of its slots (LD4; by default one less than them all).
+            stopped_waiting = await self._unless_interrupted(
+                self._slot(self.capacity.uploads, job, attempt_id, details), gone)
             if stopped_waiting is None:
-                stopped_waiting = await self._unless_interrupted(
-                    self._slot(self.capacity.uploads, job.id, attempt_id, details), gone)
+                stopped_waiting = await self._unless_interrupted(self._partner_session(job, attempt_id, details), gone)
             if stopped_waiting is not None:
                 result = await self._stopped_waiting(job.id, attempt_id, file, stopped_waiting, lease)
                 remove_local_file(file.path)
@@ -209,10 +212,10 @@ class DeliveryActivities(ExportActivitiesBase):
     async def _upload_capacity(self, limit: int | None, job: JobRow, attempt_id: UUID,
                                details: dict[str, Any]) -> None:
         """What an upload needs before it connects, when this step came after its lease keeper had given up
-        waiting for it and given back what cutoff 2 took: a session at its partner under the contract's limit, then
-        an upload slot here, waited for as cutoff 2 waits."""
+        waiting for it and given back what cutoff 2 took: an upload slot here, then a session at its partner under
+        the contract's limit, waited for as cutoff 2 waits (and in its order)."""
+        await self._slot(self.capacity.uploads, job, attempt_id, details)
         await self._session_under(limit, job, attempt_id, details)
-        await self._slot(self.capacity.uploads, job.id, attempt_id, details)
 
     async def _keep_partner_session(self, key: tuple[UUID, UUID]) -> None:
         """While the upload runs, its partner session stays its own whatever its row says (recovery may take the
@@ -331,7 +334,7 @@ class DeliveryActivities(ExportActivitiesBase):
                 else:
                     if not self.capacity.uploads.holds(key):
                         # The keeper gave up waiting for this step, and gave back what cutoff 2 took: taken again,
-                        # in cutoff 2's order (never an upload slot held while waiting for a session).
+                        # in cutoff 2's order (never a partner session held while waiting for an upload slot).
                         stopped = await self._unless_interrupted(
                             self._upload_capacity(destination.get("max_sessions"), job, attempt_id, progress), gone)
                         if stopped is None and not await lease.confirm(within=self.settings.lease_seconds):

@@ -33,6 +33,7 @@ from activities.lease import LeaseKeeper, beats, heartbeating
 from activities.process import metrics
 from store import errors
 from store.jobs import JobStore
+from store.models import JobRow
 from store.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -211,11 +212,17 @@ class ExportActivitiesBase:
         keeper.hand_over(within=hand_over_window(self.settings.lease_seconds, self.settings.renew_every_seconds,
                                                  self.settings.sticky_queue_timeout_seconds))
 
-    async def _slot(self, slots: Slots, job_id: UUID, attempt_id: UUID, details: dict[str, Any]) -> None:
+    async def _slot(self, slots: Slots, job: JobRow, attempt_id: UUID, details: dict[str, Any]) -> None:
         """The attempt's slot in `slots`: the one it holds here, or one it waits for, first come first served, while
         its lease keeper renews and its heartbeats go on (so the wait is never taken for a lost worker: LD1). The
-        wait shows in the step's heartbeat details."""
-        key = (job_id, attempt_id)
+        wait shows in the step's heartbeat details. Held, the attempt counts in its destination's share here (LD4),
+        however it came to this worker."""
+        key = (job.id, attempt_id)
+        await self._slot_for(slots, key, details)
+        self.capacity.shares.adopt(job.destination_id, key)
+
+    async def _slot_for(self, slots: Slots, key: tuple[UUID, UUID], details: dict[str, Any]) -> None:
+        job_id, attempt_id = key
         if slots.adopt(key):
             return
         if slots.free:

@@ -117,10 +117,12 @@ class ExportActivities(BuildActivities, DeliveryActivities):
         evaluation = await self._evaluate(request.job_id, own_attempt=request.attempt_id)
         row = evaluation.row
         if row is not None and row.status is Status.RUNNING and row.attempt_id == request.attempt_id:
-            return Admission(evaluation=evaluation,
-                             claim=self._claim_output(ClaimResult.CLAIMED, row.id, request.attempt_id,
-                                                      keep=row.claimed_by == self.worker_id),
-                             attempt=row.attempt_count, idle_recheck_seconds=self.settings.idle_recheck_seconds)
+            found = self._claim_output(ClaimResult.CLAIMED, row.id, request.attempt_id,
+                                       keep=row.claimed_by == self.worker_id)
+            # Its first try's place was given up with that try: it counts in its destination's share again (LD4).
+            self.capacity.shares.adopt(row.destination_id, (row.id, request.attempt_id))
+            return Admission(evaluation=evaluation, claim=found, attempt=row.attempt_count,
+                             idle_recheck_seconds=self.settings.idle_recheck_seconds)
         if row is None or not evaluation.allowed:
             return Admission(evaluation=evaluation, idle_recheck_seconds=self.settings.idle_recheck_seconds)
         key = (row.id, request.attempt_id)

@@ -66,11 +66,13 @@ SELECT pg_advisory_unlock(:key) AS released,
        (SELECT count(set_config(name, reset_val, false)) FROM pg_settings
          WHERE name IN ('idle_session_timeout', 'idle_in_transaction_session_timeout')) AS restored""")
 _TOUCH = text("SELECT pg_backend_pid()")
-# Who holds the lock: pg_locks shows every session's pid; pg_stat_activity shows the holder's state only to its own
-# role (every dispatcher's) and to roles allowed to read all statistics.
+# Who holds the lock: pg_locks shows every session's pid; pg_stat_activity shows every session's role, and the
+# holder's state only to its own role (every dispatcher's) and to roles allowed to read all statistics. A dispatcher
+# may log in as a member of the dispatchers' role (per-worker or rotated credentials): such a holder is one of ours.
 _HOLDER = text("""
 SELECT l.pid, a.state, extract(epoch FROM clock_timestamp() - a.state_change)::float8 AS silent_seconds,
-       a.usename AS role, a.usename = current_user AS ours
+       a.usename AS role,
+       a.usename = current_user OR pg_has_role(a.usesysid, 'exports_dispatcher', 'MEMBER') AS ours
   FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
  WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())

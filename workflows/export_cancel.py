@@ -68,7 +68,9 @@ class Cancellations:
         self._answers: dict[_Asked, CancellationResult | str] = {}  # request -> outcome, or why none
         self._updates_waiting = 0
         self._refused_unlogged = 0  # refusals since the last line logged
-        self._temporal_cancel_asked_for: uuid.UUID | None = None  # the tenant asked before the row was read
+        # Temporal's cancel: whether it was asked before the row was read, and the tenant a request of it recorded.
+        self._temporal_cancel_asked_early = False
+        self._temporal_cancel_recorded_for: uuid.UUID | None = None
         self._last_refusal = ""
 
     @property
@@ -152,6 +154,9 @@ class Cancellations:
         return answer
 
     def _remember(self, request: CancelRequest, answer: CancellationResult | str) -> None:
+        if (isinstance(answer, CancellationResult) and answer.recorded
+                and request.request_id == _temporal_cancel_request_id()):
+            self._temporal_cancel_recorded_for = request.tenant_id
         asked = _asked(request)
         self._answers.pop(asked, None)
         self._answers[asked] = answer
@@ -162,26 +167,26 @@ class Cancellations:
         """Temporal's cancel of the run as a stop request of its own, for the row's tenant once the row is read.
 
         Before that read, which comes with the claim and so may wait an hour for a build slot, a run that takes the
-        canceled-while-claiming branch asks at once for the tenant its start named: the export, still Queued, is
-        then cancelled, not claimed and built first. If the row turns out to be another tenant's (a start by hand
-        keyed wrongly), that request found no export, and the row's tenant is asked once the row is read."""
+        canceled-while-claiming branch asks once at once, for the tenant its start named: the export, still Queued,
+        is then cancelled, not claimed and built first. Unless that request was recorded (the row turned out to be
+        another tenant's, it stayed Busy, its step failed), the row's tenant is asked once the row is read."""
         if not self._state.temporal_cancel:
             return
         row = self._state.row
         if row is None:
             tenant = self._state.start_tenant
-            if (tenant is None or self._temporal_cancel_asked_for is not None
+            if (tenant is None or self._temporal_cancel_asked_early
                     or not workflow.patched(patches.CANCELED_WHILE_CLAIMING)):
                 return
-            self._temporal_cancel_asked_for = tenant
+            self._temporal_cancel_asked_early = True
         else:
             self._state.temporal_cancel = False
-            if row.tenant_id == self._temporal_cancel_asked_for:
-                return  # asked already, for this tenant
+            if row.tenant_id == self._temporal_cancel_recorded_for:
+                return  # recorded already, for this tenant
             tenant = row.tenant_id
         info = workflow.info()
         self._pending.append(CancelRequest(
-            request_id=uuid.uuid5(_TEMPORAL_CANCEL, info.run_id),
+            request_id=_temporal_cancel_request_id(),
             tenant_id=tenant,
             requested_by=TEMPORAL_CANCEL_OPERATOR,
             reason=f"Temporal cancel of workflow {info.workflow_id}, run {info.run_id}",
@@ -273,6 +278,11 @@ class Cancellations:
             self._pending.append(request)
         finally:
             self._waiting_to_ask_again -= 1
+
+
+def _temporal_cancel_request_id() -> uuid.UUID:
+    """The request ID of Temporal's cancel of this run: one record, however often the run is cancelled."""
+    return uuid.uuid5(_TEMPORAL_CANCEL, workflow.info().run_id)
 
 
 def _asked(request: CancelRequest) -> _Asked:

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
+from sqlalchemy.engine import make_url
 from temporalio.api.enums.v1 import EventType
 
 from activities.process.dispatcher import OutboxDispatcher
@@ -304,3 +305,48 @@ async def test_a_session_of_another_role_holding_the_outbox_lock_stops_dispatch_
     finally:
         await squatter.close()
         await engine.dispose()
+
+
+@pytest.mark.spec("FG4")
+async def test_a_dispatcher_that_logs_in_as_a_member_of_the_dispatcher_role_is_taken_for_a_squatter(
+        db, store, client, caplog):
+    """docs/database.md and starter/preflight.py let a worker connect with a login role that is a member of
+    exports_dispatcher (`GRANT exports_dispatcher TO <user>`; per-worker or rotated credentials, as Vault issues).
+    Such a dispatcher, mid-pass (a backlog's waves while Temporal is slow), is a dispatcher whose session bounds its
+    own silence, yet `ours` compares pg_stat_activity.usename with current_user: the other dispatcher calls it
+    "not a dispatcher" and publishes the same backlog without the lock, side by side with it."""
+    caplog.set_level(logging.WARNING, logger=DISPATCHER_LOG)
+    tenant_id, destination_id = await seed_tenant(db.admin)
+    login = f"exports_dispatcher_w{uuid.uuid4().hex[:8]}"
+    url = make_url(db.url("dispatcher"))
+    password = "" if url.password is None else " PASSWORD " + await db.admin.fetchval(
+        "SELECT quote_literal($1)", url.password)
+    await db.admin.execute(f'CREATE ROLE "{login}" LOGIN IN ROLE exports_dispatcher{password}')
+    other_engine = make_engine(url.set(username=login).render_as_string(hide_password=False))
+    engine = make_engine(db.url("dispatcher"))
+    try:
+        other = Outbox(other_engine, lock_idle_seconds=1)
+        outbox = Outbox(engine, lock_idle_seconds=1)
+        dispatcher = OutboxDispatcher(client, outbox, asyncpg_dsn(db.url("dispatcher")),
+                                      task_queue=f"member-{uuid.uuid4().hex[:8]}", poll_seconds=0.2)
+        job_id = await create_job(store, tenant_id, destination_id)
+        # The other worker's dispatcher holds the lock through a pass of several waves, speaking to its session
+        # as a healthy holder does (never silent for a quarter of the bound).
+        async with other.dispatch_pass() as held:
+            assert held is not None and held.locked
+            assert await db.admin.fetchval("SELECT pg_has_role($1, 'exports_dispatcher', 'MEMBER')", login)
+            deadline = time.monotonic() + 4 * other.lock_idle_seconds
+            while time.monotonic() < deadline:
+                await held.still_held()
+                await asyncio.wait_for(dispatcher.dispatch_once(), BOUND)
+                await asyncio.sleep(0.2)
+            published = (await outbox_row(db, job_id))["published_at"]
+        said = [r.getMessage() for r in caplog.records if r.name == DISPATCHER_LOG and "not a dispatcher" in
+                r.getMessage()]
+        assert (published, said) == (None, []), (
+            "a dispatcher of the dispatcher role (by membership) held the outbox lock mid-pass, and the other "
+            f"dispatcher published beside it without the lock: published_at={published}, logged {said}")
+    finally:
+        await other_engine.dispose()
+        await engine.dispose()
+        await db.admin.execute(f'DROP ROLE IF EXISTS "{login}"')

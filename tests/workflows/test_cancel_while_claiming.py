@@ -145,3 +145,50 @@ async def test_a_temporal_cancel_asked_for_a_wrong_start_tenant_is_asked_again_f
             "SELECT tenant_id, requested_by FROM cancellation_requests WHERE job_id = $1", second)
         assert [r["tenant_id"] for r in requests] == [h.tenant_id]
         assert requests[0]["requested_by"].startswith(TEMPORAL_CANCEL_OPERATOR)
+
+
+async def test_a_temporal_cancel_whose_early_ask_found_the_row_busy_is_never_asked_again(crash_harness):
+    """With the canceled-while-claiming branch, Temporal's cancel before the row is read is asked at once for the
+    start's tenant, and `_temporal_cancel_asked_for` then suppresses the ask made once the row is read, whether or
+    not the early ask recorded anything. When the early ask found the row locked (Busy through its five retries:
+    "not recorded"), the cancel is simply gone: the claim then reads the row, claims it and builds, and no request
+    is ever recorded (Temporal does not deliver a second cancel of the same run, so the UI cannot send it again).
+    Without the patch the request waits for the row's read and is recorded then (StopRequested)."""
+    early = True  # False (this release's default branch): the request is recorded once the row is read; passes
+    h = crash_harness
+    async with processes(h) as started:
+        await start_worker(started, h, hold_at=checkpoints.BUILD_STARTED, max_builds=1,
+                           **({"early_patches": patches.CANCELED_WHILE_CLAIMING} if early else {}))
+        first, second = await claim_waiting_for_a_build_slot(h)
+        handle = h.client.get_workflow_handle(export_workflow_id(second))
+        locker = await h.db.connect("owner")
+        try:
+            transaction = locker.transaction()
+            await transaction.start()
+            await locker.execute("SELECT 1 FROM export_jobs WHERE id = $1 FOR UPDATE", second)
+            await handle.cancel()
+            if early:
+                await eventually(lambda: handle.query("rejected_signals"),
+                                 lambda said: any("stayed busy" in line for line in said), timeout=45, interval=0.5,
+                                 what="the early ask given up as Busy")
+            else:
+                await asyncio.sleep(15)
+            await transaction.rollback()  # the row free again, before the run reads it
+            release_held(h.settings, checkpoints.BUILD_STARTED, first)  # the slot frees: the claim reads the row
+
+            async def requests() -> list:
+                return await h.db.admin.fetch(
+                    "SELECT outcome FROM cancellation_requests WHERE job_id = $1", second)
+
+            try:
+                await eventually(requests, bool, timeout=30, interval=0.5,
+                                 what="Temporal's cancel recorded for the export")
+            except Exception as exc:
+                row = await h.store.read_job(second)
+                raise AssertionError(
+                    f"Temporal's cancel, whose early ask was Busy, was never asked again once the row was read: no "
+                    f"request recorded; the row went on to {row.status.value} (attempt {row.attempt_count})") from exc
+        finally:
+            await locker.close()
+            release_held(h.settings, checkpoints.BUILD_STARTED, first)
+            release_held(h.settings, checkpoints.BUILD_STARTED, second)

@@ -14,6 +14,8 @@ from datetime import datetime
 import pytest
 from temporalio.service import RPCError
 
+from activities.contracts import AdmitInput
+from activities.exports import ExportActivities
 from activities.process.dispatcher import OutboxDispatcher
 from starter.localstack.partner import LocalPartner
 from starter.localstack.seed import seed_destination
@@ -21,6 +23,7 @@ from store.db import asyncpg_dsn, make_engine
 from store.models import Status
 from store.outbox import Outbox
 from tests.helpers.harness import Harness, WorkerProcess, open_harness, run_recovery, set_contract
+from tests.helpers.store_states import drive
 from tests.helpers.support import create_job, eventually, seed_tenant
 from workflows.identity import export_workflow_id
 
@@ -308,3 +311,31 @@ async def test_one_slow_partner_does_not_slow_the_others(db, store, client, tmp_
     # Delivered while the slow backlog still waited: at least half of it was claimed only afterwards.
     assert claimed_after >= SLOW // 2, claimed_after
     assert most_at_once(slow_uploads) == 1  # its share: one upload slot always left to the others
+
+
+@pytest.mark.spec("LD4")
+async def test_a_claim_whose_retry_finds_its_own_committed_claim_counts_in_its_destinations_share(db, store):
+    """A claim's first try commits and its answer is lost (a timeout, a dropped connection); Temporal tries the
+    claim again and `_admit` finds the row Running under its own attempt. That retry takes a build slot for the
+    attempt here (`_claim_output` -> `builds.hold`) but never reserves or settles the destination's share, so the
+    attempt is not counted among its destination's attempts on this worker: with a share of 1, the next claim for
+    the same destination is let through at once, and the worker holds two attempts to it."""
+    tenant_id, destination_id = await seed_tenant(db.admin)
+    settings = db.settings(task_queue=f"review-{uuid.uuid4().hex[:8]}", max_builds=4, max_uploads=4,
+                           max_per_destination=1)
+    activities = ExportActivities(store, settings, worker_id="worker-test", worker_task_queue="review-own")
+    try:
+        first = await create_job(store, tenant_id, destination_id)
+        attempt = await drive(store, first, Status.RUNNING)  # the first try's claim, committed ("worker-test")
+        admitted = await activities.claim_if_allowed(AdmitInput(job_id=first, attempt_id=attempt))
+        assert admitted.claim is not None and admitted.claim.result.value == "Claimed", admitted
+        assert activities.capacity.builds.holds((first, attempt))  # it holds its build slot here
+        counted = activities.capacity.shares.in_flight(destination_id)
+        other = (uuid.uuid4(), uuid.uuid4())
+        let_through = activities.capacity.shares.reserve(destination_id, other)
+        assert counted == 1 and not let_through, (
+            f"the attempt holds a build slot here for its destination, yet the destination's share counts "
+            f"{counted} attempt(s) in flight, and another claim to it {'was' if let_through else 'was not'} let "
+            f"through at a share of {activities.capacity.shares.limit}")
+    finally:
+        await activities.close()

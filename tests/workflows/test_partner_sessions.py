@@ -10,12 +10,14 @@ import uuid
 from contextlib import AsyncExitStack
 
 import pytest
+from temporalio.client import Client
 
 from activities.checkpoints import BEFORE_RENAME_FENCE, BEFORE_STEP, BEFORE_UPLOAD, Checkpoints
 from activities.lease import heartbeat
 from store.models import Status
 from tests.helpers.harness import open_harness, set_contract
 from tests.helpers.support import eventually
+from worker import running_worker
 
 LEASE = 3.0
 
@@ -263,9 +265,10 @@ async def test_a_deliver_that_starts_after_the_hand_over_window_waits_for_its_se
 @pytest.mark.spec("LD3")
 async def test_a_limit_set_between_cutoff_2_and_the_upload_holds_up_neither_export(db, store, client, tmp_path):
     """One upload slot. Export A is authorized with no limit on its partner (no session taken) and its upload has
-    not begun when the limit is set to one; export B then takes that one session at cutoff 2 and waits there for
-    the worker's only upload slot, A's. A's upload, authorized before the limit, goes on without a session: were
-    it to wait for one while it holds the upload slot, each would wait for the other until its step's bound."""
+    not begun when the limit is set to one; export B then waits at cutoff 2 for the worker's only upload slot,
+    A's, holding no session (the slot comes first). A's upload, authorized before the limit, goes on without a
+    session: were it to wait for one, and B to hold it while waiting for A's slot, each would wait for the other
+    until its step's bound."""
     async with AsyncExitStack() as stack:
         h = await open_harness(stack, db, store, client, tmp_path, lease_seconds=LEASE, renew_every_seconds=1.0,
                                max_uploads=1, max_builds=2, max_per_destination=2)
@@ -276,11 +279,75 @@ async def test_a_limit_set_between_cutoff_2_and_the_upload_holds_up_neither_expo
             await asyncio.wait_for(hold.held.wait(), 60)
             await set_contract(h, max_sessions=1)
             second = await h.create()
-            await eventually(lambda: db.admin.fetchval("SELECT count(*) FROM partner_sessions WHERE job_id = $1",
-                                                       second), lambda n: n == 1, timeout=60, interval=0.2,
-                             what="the second export holding the partner's only session at cutoff 2")
-            assert await _status(h, second) is Status.RUNNING  # waiting there for A's upload slot
+            await eventually(lambda: asyncio.sleep(0, h.activities.capacity.uploads.waiting), lambda n: n == 1,
+                             timeout=60, interval=0.2, what="the second export waiting at cutoff 2 for A's upload slot")
+            assert await _status(h, second) is Status.RUNNING
+            assert await db.admin.fetchval("SELECT count(*) FROM partner_sessions WHERE job_id = $1", second) == 0
         finally:
             hold.release.set()
         rows = await asyncio.wait_for(asyncio.gather(h.settled(first), h.settled(second)), 90)
+        assert [row.status for row in rows] == [Status.COMPLETED, Status.COMPLETED]
+
+
+@pytest.mark.spec("LD3", "LD4")
+async def test_a_partner_session_is_not_held_idle_by_an_attempt_waiting_for_its_workers_upload_slot(
+        db, store, client, tmp_path):
+    """Two workers. Partner P accepts one session (max_sessions 1). Worker W1 (one upload slot) is busy uploading
+    to a slow partner Q. Export A to P, built on W1, waits at cutoff 2 for W1's upload slot. Export B to P is built
+    on W2, which has upload slots free. Before (found by review), A took P's only session first and held it while
+    it waited for W1's slot: nothing at all was uploaded to P for as long as W1's upload to Q lasted (hours, for a
+    slow partner), so one slow partner stalled another partner's exports on every worker. Now the slot comes
+    first, and B takes P's session and delivers."""
+    async with AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path, lease_seconds=3.0, renew_every_seconds=1.0,
+                               max_uploads=1, max_builds=1)
+        hold = HoldFirst(BEFORE_UPLOAD)
+        h.activities.checkpoints = hold
+        # Q: another destination of the tenant (the same local SFTP server stands in for a second partner).
+        slow_q = await db.admin.fetchval(
+            "INSERT INTO destinations SELECT (jsonb_populate_record(NULL::destinations, to_jsonb(d) "
+            "|| jsonb_build_object('id', gen_random_uuid(), 'name', 'slow partner q'))).* "
+            "FROM destinations d WHERE d.id = $1 RETURNING id", h.destination_id)
+        status = {}
+
+        async def read(job):  # type: ignore[no-untyped-def]
+            row = await store.read_job(job)
+            status[job] = row.status
+            return row.status
+
+        try:
+            x = await h.exports.create(tenant_id=h.tenant_id, destination_id=slow_q, created_by="tests")
+            await asyncio.wait_for(hold.held.wait(), 60)  # W1's only upload slot: X's upload to Q
+            await set_contract(h, max_sessions=1)         # P accepts one session at once
+            a = await h.create()
+            await eventually(lambda: asyncio.sleep(0, h.activities.capacity.uploads.waiting), lambda n: n == 1,
+                             timeout=60, interval=0.2, what="A waiting at cutoff 2 on W1 for its upload slot")
+            assert await db.admin.fetchval("SELECT count(*) FROM partner_sessions WHERE job_id = $1", a) == 0
+            # W2: a second worker, its upload slots free.
+            second_client = await asyncio.wait_for(Client.connect(
+                client.service_client.config.target_host, namespace=client.namespace,
+                data_converter=client.data_converter), 30)
+            w2 = h.settings.model_copy(update={"max_uploads": 4, "max_builds": 4,
+                                               "work_dir": tmp_path / "work-w2"})
+            await stack.enter_async_context(running_worker(w2, second_client, with_dispatcher=False))
+            b = await h.create()
+            await eventually(lambda: db.admin.fetchval(
+                "SELECT count(*) FROM export_attempt_events WHERE job_id = $1 AND kind = 'BuildStarted'", b),
+                lambda n: n >= 1, timeout=60, what="B built (on W2: W1 takes no claim, its only build slot held)")
+            try:
+                await eventually(lambda: read(b), lambda s: s is not Status.RUNNING, timeout=20, interval=0.5,
+                                 what="B past cutoff 2 on W2")
+            except AssertionError:
+                uploads_to_p = await db.admin.fetchval(
+                    "SELECT count(*) FROM export_jobs WHERE destination_id = $1 AND status = 'Delivering'",
+                    h.destination_id)
+                raise AssertionError(
+                    f"for 20 s, P (max_sessions 1) had {uploads_to_p} upload(s) under way: its only session is held "
+                    f"by A ({await read(a)}), which waits on W1 for the upload slot of X's upload to Q "
+                    f"({await read(x)}); B ({status[b]}) waits on W2 with upload slots free") from None
+            assert (await h.settled(b)).status is Status.COMPLETED  # while X's upload still holds W1's slot
+            assert await read(x) is Status.DELIVERING
+        finally:
+            hold.release.set()
+        rows = await asyncio.wait_for(asyncio.gather(h.settled(a), h.settled(x)), 90)
         assert [row.status for row in rows] == [Status.COMPLETED, Status.COMPLETED]
