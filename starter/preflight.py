@@ -269,7 +269,8 @@ def worker_roles() -> tuple[Role, ...]:
                                                 "outbox") for privilege in ("SELECT", "INSERT")),
         Grant("SELECT", "destinations"), Grant("SELECT", "contacts"),
         *(Grant(privilege, "evidence_follow_ups") for privilege in ("SELECT", "INSERT", "UPDATE")),
-        *(Grant(privilege, "partner_sessions") for privilege in ("SELECT", "INSERT", "UPDATE", "DELETE")),
+        *(Grant(privilege, table) for table in ("partner_sessions", "partner_session_waits")
+          for privilege in ("SELECT", "INSERT", "UPDATE", "DELETE")),
     ))
     dispatcher = ("exports_dispatcher", "EXPORTS_DISPATCHER_DATABASE_URL", "dispatcher_database_url", (
         Grant("SELECT", "outbox"), Grant("UPDATE", "outbox", ("published_at",)),

@@ -59,6 +59,12 @@ _DESTINATION_ROW = select(destinations).where(
     destinations.c.tenant_id == bindparam("tenant_id"), destinations.c.id == bindparam("destination_id"))
 
 
+# A waiter for a partner session asks about every second: one silent for this long (paused, or gone) holds no later
+# waiter back, and one silent for the second bound loses its place (take_partner_session.sql).
+SESSION_WAITER_SECONDS = 5.0
+SESSION_WAITER_FORGOTTEN_SECONDS = 600.0
+
+
 class PartnerSession(NamedTuple):
     """take_partner_session.sql's answer: the destination's session limit now (None: none) and the attempt's slot
     under it (None while every slot is held)."""
@@ -319,10 +325,13 @@ class JobStore(RoleStore):
 
     async def take_partner_session(self, destination_id: UUID, job_id: UUID, attempt_id: UUID) -> PartnerSession:
         """A slot of the destination's session limit for the attempt (take_partner_session.sql): the one it holds,
-        or a free one, with the limit as it is now. Safe to repeat: a lost answer is asked again."""
+        or a free one that no waiter ahead of it is owed, with the limit as it is now. Each ask keeps the attempt's
+        place among the waiters. Safe to repeat: a lost answer is asked again."""
         async with self.db.transaction() as conn:
             found = (await conn.execute(statement("take_partner_session"), {
-                "destination_id": destination_id, "job_id": job_id, "attempt_id": attempt_id})).first()
+                "destination_id": destination_id, "job_id": job_id, "attempt_id": attempt_id,
+                "waiter_seconds": SESSION_WAITER_SECONDS,
+                "forget_seconds": SESSION_WAITER_FORGOTTEN_SECONDS})).first()
         if found is None:  # no such destination: nothing to wait for (the upload finds it gone)
             return PartnerSession(limit=None, slot=None)
         return PartnerSession(limit=found[0], slot=found[1])

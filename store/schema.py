@@ -159,3 +159,15 @@ partner_sessions = Table(
     Column("taken_at", tstz, nullable=False),
     Column("uploading_until", tstz),
 )
+
+# Migration 0020: the attempts waiting for a session at a destination with a limit, in the order they began
+# (take_partner_session.sql).
+partner_session_waits = Table(
+    "partner_session_waits",
+    metadata,
+    Column("job_id", UUID(as_uuid=True), primary_key=True),
+    Column("attempt_id", UUID(as_uuid=True), primary_key=True),
+    Column("destination_id", UUID(as_uuid=True), nullable=False),
+    Column("since", tstz, nullable=False),
+    Column("asked_at", tstz, nullable=False),
+)

@@ -87,9 +87,8 @@ async def test_migrate_to_the_previous_revision_and_back(db, tmp_path):
     settings = db.settings()
 
     async def head_migration_in_place() -> bool:
-        """Whether the head's migration is in place (0019: the unpublished wake-ups by export)."""
-        return bool(await db.admin.fetchval(
-            "SELECT count(*) FROM pg_indexes WHERE indexname = 'ix_outbox_unpublished_job'"))
+        """Whether the head's migration is in place (0020: the waiters for a partner's sessions)."""
+        return await db.admin.fetchval("SELECT to_regclass('partner_session_waits') IS NOT NULL")
 
     down = await exports_command(settings, "migrate", "--to", PREVIOUS, cwd=tmp_path)
     assert down.code == 0 and f"at {PREVIOUS} (was {head_revision()})" in down.stdout, down

@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 ROLES_SQL = ROOT / "deploy" / "roles.sql"
 EXPORTS = ROOT / ".venv" / "bin" / "exports"
 TABLES = {"alembic_version", "cancellation_requests", "contacts", "deliveries", "destinations",
-          "evidence_follow_ups", "export_attempt_events", "export_jobs", "outbox", "partner_sessions"}
+          "evidence_follow_ups", "export_attempt_events", "export_jobs", "outbox", "partner_session_waits",
+          "partner_sessions"}
 RUN_TIMEOUT = 60  # seconds, for every program these tests run
 
 
@@ -258,7 +259,7 @@ async def test_migrate_sql_needs_no_database_and_psql_applies_the_same_schema(tc
     for database in (reviewed, online):
         conn = await asyncpg.connect(tcp_cluster.superuser_dsn(database))
         try:
-            assert await conn.fetchval("SELECT version_num FROM alembic_version") == "0019"
+            assert await conn.fetchval("SELECT version_num FROM alembic_version") == "0020"
             tables = {r[0] for r in await conn.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
             assert tables == TABLES
         finally:

@@ -13,10 +13,12 @@ import pytest
 from temporalio.client import Client
 
 from activities.checkpoints import BEFORE_RENAME_FENCE, BEFORE_STEP, BEFORE_UPLOAD, Checkpoints
+from activities.exports import ExportActivities
 from activities.lease import heartbeat
 from store.models import Status
 from tests.helpers.harness import open_harness, set_contract
-from tests.helpers.support import eventually
+from tests.helpers.store_states import drive
+from tests.helpers.support import create_job, eventually, seed_tenant
 from worker import running_worker
 
 LEASE = 3.0
@@ -351,3 +353,49 @@ async def test_a_partner_session_is_not_held_idle_by_an_attempt_waiting_for_its_
             hold.release.set()
         rows = await asyncio.wait_for(asyncio.gather(h.settled(a), h.settled(x)), 90)
         assert [row.status for row in rows] == [Status.COMPLETED, Status.COMPLETED]
+
+
+@pytest.mark.spec("LD3")
+async def test_an_export_waiting_for_a_partner_session_is_not_overtaken_by_later_ones(db, store):
+    """max_sessions 1. Export W has waited for the partner's only session since the start (the worker's wait loop,
+    `_session_under`, asking every second). Each time the session frees, an export that began waiting after W asks
+    a few hundred ms before W's next ask. Before (found by review), it took the slot: take_partner_session.sql
+    handed a freed slot to whoever asked first, so W was overtaken round after round, its wait bounded only by its
+    step's 6 hours. Now waiters are served in the order they began (migration 0020)."""
+    tenant_id, destination_id = await seed_tenant(db.admin)
+    await db.admin.execute("UPDATE destinations SET max_sessions = 1 WHERE id = $1", destination_id)
+    settings = db.settings(task_queue=f"review-{uuid.uuid4().hex[:8]}")
+    activities = ExportActivities(store, settings, worker_id="worker-test", worker_task_queue="review-own")
+
+    async def live_attempt() -> tuple[uuid.UUID, uuid.UUID]:
+        job = await create_job(store, tenant_id, destination_id)
+        return job, await drive(store, job, Status.RUNNING)
+
+    holder = await live_attempt()
+    assert (await store.take_partner_session(destination_id, *holder)).slot == 1
+    waiter_job, waiter_attempt = await live_attempt()
+    waiter_row = await store.read_job(waiter_job)
+    loop = asyncio.get_running_loop()
+    started = loop.time()  # the waiter asks at started + 0, 1, 2, ... (one statement each, a few ms)
+    waiting = asyncio.create_task(activities._session_under(1, waiter_row, waiter_attempt, {}))
+    served_before_it: list[uuid.UUID] = []
+    try:
+        for round_ in range(1, 5):
+            # Half-way between two of the waiter's asks, the holder's upload ends and it gives its session back;
+            # a quarter second later an export that began waiting after the waiter asks.
+            await asyncio.sleep(max(0.0, started + round_ + 0.25 - loop.time()))
+            await store.release_partner_session(*holder)
+            await asyncio.sleep(max(0.0, started + round_ + 0.5 - loop.time()))
+            newcomer = await live_attempt()
+            if (await store.take_partner_session(destination_id, *newcomer)).slot is None:
+                break  # the waiter got it first, as it should
+            served_before_it.append(newcomer[0])
+            holder = newcomer
+        assert not served_before_it, (
+            f"the export that waited longest for the partner's only session was overtaken "
+            f"{len(served_before_it)} time(s) in {loop.time() - started:.1f} s by exports that began waiting after "
+            f"it; it still waits: {not waiting.done()}")
+    finally:
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await activities.close()
