@@ -186,6 +186,7 @@ class DeliveryActivities(ExportActivitiesBase):
         then, so a limit cleared or raised meanwhile ends the wait."""
         if limit is None:
             return
+        await self._session_released((job.id, attempt_id))
         waited = False
         try:
             while True:

@@ -116,7 +116,8 @@ class ExportActivitiesBase:
         # Attempts whose upload runs here: it keeps its upload slot and partner session until it ends, even when its
         # lease keeper ends first (the lease lost: the upload goes on).
         self.uploading: set[tuple[UUID, UUID]] = set()
-        self._releases: set[asyncio.Task[None]] = set()
+        # Partner sessions being given back, by attempt: a late upload that takes its session again waits for its own.
+        self._session_releases: dict[tuple[UUID, UUID], asyncio.Task[None]] = {}
         # Each attempt's lease keeper on this worker, from its build's start to its terminal write.
         self.keepers: dict[tuple[UUID, UUID], LeaseKeeper] = {}
 
@@ -175,8 +176,16 @@ class ExportActivitiesBase:
         if key in self.partner_sessions:
             self.partner_sessions.discard(key)
             task = asyncio.create_task(self._release_partner_session(key))
-            self._releases.add(task)
-            task.add_done_callback(self._releases.discard)
+            self._session_releases[key] = task
+            task.add_done_callback(lambda done: self._session_releases.pop(key, None)
+                                   if self._session_releases.get(key) is done else None)
+
+    async def _session_released(self, key: tuple[UUID, UUID]) -> None:
+        """The attempt's partner session, if it is being given back, given back first: a session taken again before
+        that (a late upload's) would find the old row, and the release would then delete it."""
+        pending = self._session_releases.get(key)
+        if pending is not None:
+            await asyncio.wait({pending})  # it logs its own failure; a cancel of this wait leaves it running
 
     async def _release_partner_session(self, key: tuple[UUID, UUID]) -> None:
         # Else the slot is free once the row no longer names the attempt and its upload's hold has lapsed.

@@ -37,7 +37,8 @@ RECOVERY_ROUNDS = "recovery-rounds"
 CANCEL_UPDATE = "cancel-update"
 
 # Export runs that recorded this stopped waiting for their claim (on the admission queue, for a build slot) once a
-# recorded cancellation had left the row Canceled, and read the row at once (0.3.0 ships it understood).
+# recorded cancellation had left the row Canceled, and read the row at once; and asked Temporal's cancel for the
+# start's tenant before the row was read (0.3.0 ships it understood).
 CANCELED_WHILE_CLAIMING = "canceled-while-claiming"
 
 # Written on new runs by this release.

@@ -399,3 +399,36 @@ async def test_an_export_waiting_for_a_partner_session_is_not_overtaken_by_later
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
         await activities.close()
+
+
+@pytest.mark.spec("LD3")
+async def test_a_session_taken_again_by_a_late_upload_is_not_deleted_by_the_keepers_release(db, store, monkeypatch):
+    """Noted by review: the keeper that gave up waiting for the upload releases the attempt's session in a task of
+    its own; a late `deliver` that takes the session again meanwhile found the old row still there (it holds it),
+    and the release then deleted it: the upload ran with no session counted at a partner that limits them."""
+    tenant_id, destination_id = await seed_tenant(db.admin)
+    await db.admin.execute("UPDATE destinations SET max_sessions = 1 WHERE id = $1", destination_id)
+    activities = ExportActivities(store, db.settings(task_queue=f"late-{uuid.uuid4().hex[:8]}"),
+                                  worker_id="worker-test", worker_task_queue="late-own")
+    try:
+        job = await create_job(store, tenant_id, destination_id)
+        attempt = await drive(store, job, Status.RUNNING)
+        row = await store.read_job(job)
+        await activities._session_under(1, row, attempt, {})  # cutoff 2's session
+        releasing, release = asyncio.Event(), store.release_partner_session
+
+        async def slow_release(*key):  # type: ignore[no-untyped-def]
+            releasing.set()
+            await asyncio.sleep(0.5)  # the database slow to answer
+            await release(*key)
+
+        monkeypatch.setattr(store, "release_partner_session", slow_release)
+        activities._free((job, attempt))  # the keeper gave up waiting for the upload
+        await asyncio.wait_for(releasing.wait(), 5)
+        await asyncio.wait_for(activities._session_under(1, row, attempt, {}), 10)  # the late upload takes it again
+        await asyncio.sleep(1)  # the release, had it come after, would have deleted it by now
+        held = await db.admin.fetchval(
+            "SELECT count(*) FROM partner_sessions WHERE job_id = $1 AND attempt_id = $2", job, attempt)
+        assert held == 1, "the late upload's session was deleted by the keeper's release that came after it"
+    finally:
+        await activities.close()
