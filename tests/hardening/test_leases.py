@@ -22,7 +22,7 @@ from store.jobs import build_holder
 from store.models import AuthorizationResult, CancellationOutcome, ClaimResult, FailureCode, JobRow, Status
 from tests.helpers.crash import crash_world, forget_dead_worker, processes, start_worker
 from tests.helpers.events import events, kinds
-from tests.helpers.harness import Harness, held_at, run_recovery
+from tests.helpers.harness import Harness, held_at, release_held, run_recovery
 from tests.helpers.lease import (
     BOUND,
     LEASE,
@@ -247,7 +247,7 @@ async def test_a_build_resumed_elsewhere_fences_the_paused_build_whose_stop_writ
             assert stop.outcome is CancellationOutcome.STOP_REQUESTED
         finally:
             a.process.send_signal(signal.SIGCONT)
-        release(h.settings, "build_started", job_id)
+        release_held(h.settings, "build_started", job_id)
         # A's build ends (the stop, its own cancellation, a renewal that matches nothing, or its keeper's clock: the
         # pause outlasted its lease, PT2) and writes nothing.
         await eventually(lambda: asyncio.sleep(0, a.log_path.read_text()),
@@ -255,7 +255,7 @@ async def test_a_build_resumed_elsewhere_fences_the_paused_build_whose_stop_writ
                              "Completing activity", "lost ownership", "its lease was about to lapse unrenewed")),
                          timeout=BOUND, what="the fenced build ended")
         assert (await h.store.read_job(job_id)).status is Status.RUNNING  # A's stop write matched nothing
-        release(h.settings, "before_cutoff_2", job_id)
+        release_held(h.settings, "before_cutoff_2", job_id)
         row = await h.settled(job_id)
         assert row.status is Status.STOPPED and row.attempt_count == 1
         found = await db.admin.fetch("SELECT kind, worker_id FROM export_attempt_events WHERE job_id = $1 "
@@ -299,10 +299,6 @@ async def build_starts(db, job_id: uuid.UUID) -> list[dict]:
     rows = await db.admin.fetch("SELECT worker_id, detail FROM export_attempt_events WHERE job_id = $1 "
                                 "AND kind = 'BuildStarted' ORDER BY id", job_id)
     return [dict(r) for r in rows]
-
-
-def release(settings, checkpoint: str, job_id: uuid.UUID) -> None:
-    (Path(settings.work_dir) / f"release-{checkpoint}-{job_id}").touch()
 
 
 # --- a renewal that throws is retried soon, not a whole interval later -------------------------------------------

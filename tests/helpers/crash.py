@@ -11,6 +11,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.workflowservice.v1 import ResetStickyTaskQueueRequest
+from temporalio.client import WorkflowHistory
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities import checkpoints
@@ -122,15 +123,21 @@ async def claim_waiting_for_a_build_slot(h: Harness) -> tuple[uuid.UUID, uuid.UU
     second = await h.create()
 
     async def scheduled() -> list[str]:
-        try:
-            history = await h.client.get_workflow_handle(export_workflow_id(second)).fetch_history()
-        except RPCError as err:
-            if err.status is RPCStatusCode.NOT_FOUND:
-                return []  # not started yet: the dispatcher has not published the creation's wake-up
-            raise
+        history = await export_history(h, second)
         return [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
-                if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
+                if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED] if history is not None else []
 
     await eventually(scheduled, lambda names: names == ["claim_if_allowed"], timeout=30, interval=0.2,
                      what="the second export's claim waiting for a build slot")
     return first, second
+
+
+async def export_history(h: Harness, job_id: uuid.UUID) -> WorkflowHistory | None:
+    """The export workflow's history, or None before its run has started (the dispatcher has not published the
+    creation's wake-up yet)."""
+    try:
+        return await h.client.get_workflow_handle(export_workflow_id(job_id)).fetch_history()
+    except RPCError as err:
+        if err.status is RPCStatusCode.NOT_FOUND:
+            return None
+        raise

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from activities.process import endpoint, metrics
 from store.db import asyncpg_dsn
 from store.models import CancellationOutcome, Status
-from tests.helpers.harness import Harness, WorkerProcess, held_at, open_harness
+from tests.helpers.harness import Harness, WorkerProcess, held_at, open_harness, release_held
 from tests.helpers.support import eventually
 from worker import running_worker
 
@@ -145,7 +145,7 @@ async def test_readyz_is_503_until_temporal_answers_and_after_sigterm_while_the_
                                     interval=0.1, what="/readyz 503 after SIGTERM") == (503, "stopping\n")
             assert (await get(worker.port, "/livez"))[0] == 200
             assert worker.process.returncode is None  # still draining: the upload has not ended
-            (Path(worker.settings.work_dir) / f"release-before_upload-{job_id}").touch()
+            release_held(worker.settings, "before_upload", job_id)
             assert await asyncio.wait_for(worker.process.wait(), timeout=40) == 0
 
 

@@ -15,13 +15,11 @@ import signal
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
 from temporalio.api.enums.v1 import EventType, TimeoutType
 from temporalio.api.history.v1 import HistoryEvent
-from temporalio.service import RPCError, RPCStatusCode
 
 from activities import checkpoints
 from activities.contracts import (
@@ -34,6 +32,7 @@ from activities.contracts import (
 from store.models import ClaimResult, FailureCode, Status
 from tests.helpers.crash import (
     crash_world,
+    export_history,
     forget_dead_worker,
     held_with_temporal_down,
     processes,
@@ -45,7 +44,7 @@ from tests.helpers.crash import (
 )
 from tests.helpers.events import events, kinds
 from tests.helpers.faults import CLAIM_STATEMENT, PgFaultProxy, fault_proxy
-from tests.helpers.harness import Harness, held_at, run_recovery
+from tests.helpers.harness import Harness, held_at, release_held, run_recovery
 from tests.helpers.partner import outbound_names
 from tests.helpers.support import eventually
 from tests.helpers.tcp_cut import TcpCutProxy, temporal_upstream
@@ -70,12 +69,9 @@ _RESULTS = {"build": BuildOutput, "claim_if_allowed": Admission}
 
 async def activity_runs(h: Harness, job_id: uuid.UUID) -> list[ActivityRun]:
     """The export workflow's activities in scheduling order, with decoded inputs and results where useful."""
-    try:
-        history = await h.client.get_workflow_handle(export_workflow_id(job_id)).fetch_history()
-    except RPCError as err:
-        if err.status is RPCStatusCode.NOT_FOUND:
-            return []  # not started yet: the dispatcher has not published the creation's wake-up
-        raise
+    history = await export_history(h, job_id)
+    if history is None:
+        return []
     converter = h.client.data_converter.payload_converter
     runs: dict[int, ActivityRun] = {}
 
@@ -414,7 +410,7 @@ async def test_an_upload_that_settles_after_temporal_gave_it_up__the_waiting_run
             await start_worker(started, h)  # the run goes on here
             await upload_given_up_and_run_waiting(h, job_id)
         finally:
-            (Path(h.settings.work_dir) / f"release-{checkpoints.AFTER_RECEIPT}-{job_id}").touch()
+            release_held(h.settings, checkpoints.AFTER_RECEIPT, job_id)
             paused.process.send_signal(signal.SIGCONT)
         await the_run_returns_the_row_its_upload_settled(h, job_id)
 
@@ -433,13 +429,13 @@ async def test_an_upload_whose_heartbeats_never_reached_temporal__the_waiting_ru
         job_id = await held_with_temporal_down(h, started, temporal, checkpoints.AFTER_RECEIPT)
         try:
             await upload_given_up_and_run_waiting(h, job_id)
-            (Path(h.settings.work_dir) / f"release-{checkpoints.AFTER_RECEIPT}-{job_id}").touch()
+            release_held(h.settings, checkpoints.AFTER_RECEIPT, job_id)
             # The terminal write, while the worker still cannot reach Temporal: nothing it could hear from there
             # tells it that the step was given up.
             await eventually(lambda: h.store.read_job(job_id), lambda row: row.status is Status.COMPLETED,
                              timeout=30, interval=0.1, what="the held upload's terminal write")
         finally:
-            (Path(h.settings.work_dir) / f"release-{checkpoints.AFTER_RECEIPT}-{job_id}").touch()
+            release_held(h.settings, checkpoints.AFTER_RECEIPT, job_id)
             temporal.heal()
         await the_run_returns_the_row_its_upload_settled(h, job_id)
     assert temporal.passed >= 1 and "refused" in temporal.events  # the held worker's way to Temporal was cut
@@ -505,7 +501,7 @@ async def test_a_paused_upload_taken_back_by_recovery_never_renames(crash_harnes
             row = await asyncio.wait_for(h.settled(job_id), timeout=60)
             assert row.status is Status.COMPLETED and row.attempt_id != first.attempt_id
         finally:
-            (Path(h.settings.work_dir) / f"release-{checkpoints.BEFORE_RENAME_FENCE}-{job_id}").touch()
+            release_held(h.settings, checkpoints.BEFORE_RENAME_FENCE, job_id)
             paused.process.send_signal(signal.SIGCONT)
         # The woken worker tries its fence, is refused, and removes its temporary file instead of renaming it.
         await eventually(lambda: asyncio.sleep(0, list(temp_dir.iterdir())), lambda left: left == [], timeout=30,
@@ -545,7 +541,7 @@ async def test_a_cutoff_2_step_that_starts_after_its_bound_authorizes_nothing(cr
         await eventually(lambda: activity_runs(h, job_id),
                          lambda runs: [r.outcome for r in named(runs, "authorize_delivery")] == ["timed_out"],
                          timeout=30, interval=0.2, what="the run giving the held cutoff-2 step up")
-        (Path(h.settings.work_dir) / f"release-{hold}-{job_id}").touch()
+        release_held(h.settings, hold, job_id)
         # Released late: it authorizes nothing and ends the lease, so recovery takes the attempt back at once.
         await wait_lease_expired(h, job_id)
         report = await asyncio.wait_for(run_recovery(h.client, h.settings), timeout=30)

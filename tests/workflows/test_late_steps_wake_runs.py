@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from pathlib import Path
 
 import pytest
 from temporalio.api.enums.v1 import EventType
@@ -15,7 +14,7 @@ from activities.contracts import ExportResult
 from store.models import Status
 from tests.helpers.crash import held_with_temporal_down, processes
 from tests.helpers.events import events
-from tests.helpers.harness import Harness
+from tests.helpers.harness import Harness, release_held
 from tests.helpers.support import eventually
 from tests.helpers.tcp_cut import TcpCutProxy, temporal_upstream
 from tests.workflows.test_crash import activity_runs, named
@@ -67,11 +66,11 @@ async def test_a_late_cutoff_2_that_writes_stopped_wakes_the_run_waiting_on_its_
                              timeout=60, interval=0.2, what="the stop recorded and the row read again")
             await _waiting_after(h, job_id, after=mark)
             # Cutoff 2 goes on, still cut off from Temporal: it finds the stop and writes Stopped itself.
-            (Path(h.settings.work_dir) / f"release-{checkpoints.BEFORE_CUTOFF_2}-{job_id}").touch()
+            release_held(h.settings, checkpoints.BEFORE_CUTOFF_2, job_id)
             await eventually(lambda: h.store.read_job(job_id), lambda r: r.status is Status.STOPPED,
                              timeout=30, interval=0.1, what="the late cutoff 2's Stopped")
         finally:
-            (Path(h.settings.work_dir) / f"release-{checkpoints.BEFORE_CUTOFF_2}-{job_id}").touch()
+            release_held(h.settings, checkpoints.BEFORE_CUTOFF_2, job_id)
             temporal.heal()
         stopped = [e for e in await events(h.db, job_id) if e["kind"] == "Stopped"]
         assert [e["detail"] for e in stopped] == ["BeforeDelivery"]  # written by the late cutoff-2 step itself

@@ -31,7 +31,7 @@ from store.outbox import Outbox
 from tests.helpers.crash import crash_world, processes, recorded_for, recover_on, recovery_only_worker, start_worker
 from tests.helpers.events import events
 from tests.helpers.faults import fault_proxy
-from tests.helpers.harness import WorkerProcess, held_at, open_harness, run_recovery
+from tests.helpers.harness import WorkerProcess, held_at, open_harness, release_held, run_recovery
 from tests.helpers.lease import LEASE
 from tests.helpers.partner import assert_partner_holds, outbound_names
 from tests.helpers.support import create_job, eventually, seed_tenant
@@ -267,7 +267,7 @@ async def test_a_build_that_finished_while_temporal_was_down_is_not_built_again(
             await held_at(h.settings, "build_started", job_id, timeout=BOUND)
             await temporal.stop()
             stopped_at = time.monotonic()
-            (Path(h.settings.work_dir) / f"release-build_started-{job_id}").touch()
+            release_held(h.settings, "build_started", job_id)
             # The build (200 contacts) finishes, and the SDK tries to report it for about 10 s more (after its last
             # heartbeat's own retries). A server back before it gives up takes the completion, and this case never
             # happens: so the server stays away until the worker's log says the completion was dropped.

@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
 from store.models import Status
 from tests.helpers.crash import crash_world, processes, start_worker
-from tests.helpers.harness import held_at
+from tests.helpers.harness import held_at, release_held
 from tests.helpers.support import eventually
 
 BOUND = 60.0
@@ -38,7 +37,7 @@ async def test_sigterm_hands_back_a_built_attempt_at_once_even_with_an_upload_in
         leaving = await start_worker(started, h, hold_at=HOLD, shutdown_grace_seconds=1.0)
         uploading = await h.create()
         await held_at(h.settings, HOLD, uploading, timeout=BOUND)
-        (Path(h.settings.work_dir) / f"release-{HOLD}-{uploading}").touch()
+        release_held(h.settings, HOLD, uploading)
         await eventually(lambda: h.store.read_job(uploading), lambda r: r.status is Status.DELIVERING,
                          timeout=BOUND, interval=0.1, what="A uploading")
         built = await h.create()

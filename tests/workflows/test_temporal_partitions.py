@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import pytest
 
@@ -17,7 +16,7 @@ from activities import checkpoints
 from store.models import Status
 from tests.helpers.crash import crash_world, processes, start_worker
 from tests.helpers.events import events, kinds
-from tests.helpers.harness import held_at
+from tests.helpers.harness import held_at, release_held
 from tests.helpers.lease import LEASE
 from tests.helpers.partner import assert_partner_holds
 from tests.helpers.support import eventually
@@ -72,7 +71,7 @@ async def test_temporal_silent_for_longer_than_the_lease_during_a_build__resumed
                 timeout=BOUND, interval=0.2, what="the build resumed on the healthy worker")
             assert "RequeuedByRecovery" not in kinds(resumed)
         finally:
-            (Path(h.settings.work_dir) / f"release-{checkpoints.BUILD_STARTED}-{job_id}").touch()
+            release_held(h.settings, checkpoints.BUILD_STARTED, job_id)
         row = await asyncio.wait_for(h.settled(job_id), timeout=BOUND)
         temporal.heal()  # the cut-off worker's late answers are refused by Temporal, and change nothing
         await asyncio.sleep(LEASE)
