@@ -134,11 +134,13 @@ class BuildActivities(ExportActivitiesBase):
         shutdown_watch = asyncio.create_task(hand_back_on_shutdown())
         try:
             async with self._heartbeating(lambda: dict(progress)):
-                if self.capacity.builds.holds((job.id, attempt_id)) or self.capacity.builds.free:
+                if self.capacity.builds.holds((job.id, attempt_id)) or (
+                        self.capacity.builds.free and self.capacity.shares.has_room(job.destination_id,
+                                                                                    (job.id, attempt_id))):
                     await self._slot(self.capacity.builds, job, attempt_id, progress)
                 else:
-                    # A build resumed on a busy worker waits for a slot, Running and leased: a stop recorded
-                    # meanwhile is heard now, not once a slot frees (minutes, behind slow builds).
+                    # A build resumed on a busy worker waits for a slot (or its destination's place), Running and
+                    # leased: a stop recorded meanwhile is heard now, not once one frees (minutes, behind slow builds).
                     try:
                         async with StopWatch(self.stop_listener, self.store, job.id, attempt_id,
                                              metrics.timed_stop(job.id, attempt_id, on_stop)):

@@ -270,11 +270,15 @@ class DestinationShares:
             self._counts = Counter((*self._claimed.values(), *self._claiming.values()))
         return self._counts[destination]
 
+    def has_room(self, destination: UUID, key: Key) -> bool:
+        """Whether `reserve` would give the attempt a place now (it changes nothing)."""
+        return key in self._claiming or key in self._claimed or self.in_flight(destination) < self.limit
+
     def reserve(self, destination: UUID, key: Key) -> bool:
         """A place for the attempt's claim, if its destination is under its share."""
         if key in self._claiming or key in self._claimed:
             return True
-        if self.in_flight(destination) >= self.limit:
+        if not self.has_room(destination, key):
             return False
         self._claiming[key] = destination
         self._counts = None

@@ -214,7 +214,15 @@ class DeliveryActivities(ExportActivitiesBase):
                                details: dict[str, Any]) -> None:
         """What an upload needs before it connects, when this step came after its lease keeper had given up
         waiting for it and given back what cutoff 2 took: an upload slot here, then a session at its partner under
-        the contract's limit, waited for as cutoff 2 waits (and in its order)."""
+        the contract's limit, waited for as cutoff 2 waits (and in its order). A session row the keeper failed to give
+        back is given back first: still live (the row names the attempt), it would be held while this waits for a
+        slot, and an attempt holding that slot here could be waiting for it."""
+        if limit is not None:
+            await self._session_released((job.id, attempt_id))
+            await retry_patiently(lambda: self.store.release_partner_session(job.id, attempt_id),
+                                  retryable=errors.is_transient, patience=self.settings.lease_seconds, first_delay=0.5,
+                                  max_delay=_SESSION_RETRY_SECONDS,
+                                  what=f"the late upload of {job.id} gives back its earlier session")
         await self._slot(self.capacity.uploads, job, attempt_id, details)
         await self._session_under(limit, job, attempt_id, details)
 

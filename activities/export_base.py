@@ -38,6 +38,10 @@ from store.settings import Settings
 
 log = logging.getLogger(__name__)
 
+# How long a step waits for a place in its destination's share before it looks again (the wait itself is bounded
+# by the step: its lease lost, or its worker shutting down).
+_PLACE_WAIT_SECONDS = 60.0
+
 # Temporal's default workflow task timeout, which the exports' starts keep: a workflow task taken by a worker that
 # then dies is given to another after it.
 WORKFLOW_TASK_TIMEOUT_SECONDS = 10.0
@@ -224,11 +228,32 @@ class ExportActivitiesBase:
     async def _slot(self, slots: Slots, job: JobRow, attempt_id: UUID, details: dict[str, Any]) -> None:
         """The attempt's slot in `slots`: the one it holds here, or one it waits for, first come first served, while
         its lease keeper renews and its heartbeats go on (so the wait is never taken for a lost worker: LD1). The
-        wait shows in the step's heartbeat details. Held, the attempt counts in its destination's share here (LD4),
-        however it came to this worker."""
+        wait shows in the step's heartbeat details. An attempt that has no place in its destination's share here
+        (a build resumed here, an upload taking its slot again) first waits for one, as a claim does, so that no
+        destination holds more than its share of the worker (LD4); held, the slot keeps the place."""
         key = (job.id, attempt_id)
-        await self._slot_for(slots, key, details)
+        await self._place(job.destination_id, key, details)
+        try:
+            await self._slot_for(slots, key, details)
+        except BaseException:
+            self.capacity.shares.settle(key, claimed=False)  # a place reserved here and not used is given up
+            raise
         self.capacity.shares.adopt(job.destination_id, key)
+
+    async def _place(self, destination_id: UUID, key: tuple[UUID, UUID], details: dict[str, Any]) -> None:
+        """A place in the destination's share of this worker: the one the attempt has, or one it waits for (its lease
+        kept, its heartbeats sent, the wait in its heartbeat details)."""
+        if self.capacity.shares.reserve(destination_id, key):
+            return
+        log.info("export %s attempt %s waits for a place among the %d attempts to its destination this worker holds "
+                 "at once", *key, self.capacity.shares.limit)
+        metrics.slot_wait("destination")
+        details["waiting"] = "for a place among its destination's attempts here"
+        try:
+            while not await self.capacity.shares.wait_for_room(destination_id, key, _PLACE_WAIT_SECONDS):
+                pass
+        finally:
+            details.pop("waiting", None)
 
     async def _slot_for(self, slots: Slots, key: tuple[UUID, UUID], details: dict[str, Any]) -> None:
         job_id, attempt_id = key

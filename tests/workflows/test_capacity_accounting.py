@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from types import SimpleNamespace
 
 from activities.capacity import WorkerCapacity
+from activities.export_base import ExportActivitiesBase
 
 
 def key() -> tuple[uuid.UUID, uuid.UUID]:
@@ -64,3 +66,46 @@ async def test_a_destination_holds_its_share_and_a_waiting_claim_gets_the_place_
     capacity.shares.settle(second, claimed=False)  # its claim lost: the place is free again
     assert capacity.shares.in_flight(destination) == 0
     assert await capacity.shares.wait_for_room(destination, key(), 0.0)  # room at once: no wait
+
+
+async def test_an_upload_that_takes_its_slot_again_waits_for_its_destinations_place():
+    """Found by review: with 2 builds and 2 uploads a destination's share is 1, which leaves one upload slot to the
+    others. A1 to D was authorized; its keeper gave up waiting for the upload and freed its slot and place, and A2
+    to D took them. A1's late `deliver` then took an upload slot again, counted whatever the share: D held every
+    upload slot of the worker, and an export to E waited behind D's uploads. Now it waits for D's place."""
+    capacity = WorkerCapacity(max_builds=2, max_uploads=2)
+    assert capacity.shares.limit == 1
+    d, e = uuid.uuid4(), uuid.uuid4()
+    worker = SimpleNamespace(capacity=capacity)
+    worker._place = lambda dest, k, details: ExportActivitiesBase._place(worker, dest, k, details)
+    worker._slot_for = lambda slots, k, details: ExportActivitiesBase._slot_for(worker, slots, k, details)
+
+    def attempt(destination: uuid.UUID) -> tuple[SimpleNamespace, uuid.UUID]:
+        return SimpleNamespace(id=uuid.uuid4(), destination_id=destination), uuid.uuid4()
+
+    async def upload_slot(job: SimpleNamespace, attempt_id: uuid.UUID) -> None:
+        await ExportActivitiesBase._slot(worker, capacity.uploads, job, attempt_id, {})
+
+    def claimed(job: SimpleNamespace, attempt_id: uuid.UUID) -> None:
+        key = (job.id, attempt_id)
+        assert capacity.shares.reserve(job.destination_id, key)
+        capacity.builds.hold(key, adopt_within=60)
+        capacity.shares.settle(key, claimed=True)
+
+    a1, a2, other = attempt(d), attempt(d), attempt(e)
+    claimed(*a1)
+    await upload_slot(*a1)
+    capacity.builds.release((a1[0].id, a1[1]))
+    capacity.release((a1[0].id, a1[1]))  # its keeper gave up waiting for the upload
+    claimed(*a2)
+    await upload_slot(*a2)
+    capacity.builds.release((a2[0].id, a2[1]))
+    late = asyncio.ensure_future(upload_slot(*a1))  # A1's late deliver
+    await asyncio.sleep(0.2)
+    assert not late.done() and capacity.shares.in_flight(d) == 1 and capacity.uploads.free
+    claimed(*other)
+    await asyncio.wait_for(upload_slot(*other), 2)  # E's export takes the slot left for the others
+    capacity.release((a2[0].id, a2[1]))  # A2's upload ends: D's place is free
+    capacity.release((other[0].id, other[1]))
+    await asyncio.wait_for(late, 2)
+    assert capacity.uploads.holds((a1[0].id, a1[1])) and capacity.shares.in_flight(d) == 1

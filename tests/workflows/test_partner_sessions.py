@@ -432,3 +432,53 @@ async def test_a_session_taken_again_by_a_late_upload_is_not_deleted_by_the_keep
         assert held == 1, "the late upload's session was deleted by the keeper's release that came after it"
     finally:
         await activities.close()
+
+
+@pytest.mark.spec("LD3")
+async def test_a_late_upload_whose_release_failed_holds_its_session_while_it_waits_for_an_upload_slot(
+        db, store, monkeypatch):
+    """max_sessions 1, one upload slot on the worker. L was authorized with P's only session; its keeper gave up
+    waiting for `deliver` and its release of the session failed (a database blip): the row still names L, which is
+    Delivering, so the slot stays live. Export W then takes the worker's only upload slot at cutoff 2 and waits for
+    the session. L's late `deliver` takes its upload slot first (`_upload_capacity`). Before (found by review), it
+    still held P's session in the database while it waited for that slot: W waited for L's session, L for W's
+    slot. Now it gives that session back before it waits."""
+    tenant_id, destination_id = await seed_tenant(db.admin)
+    await db.admin.execute("UPDATE destinations SET max_sessions = 1 WHERE id = $1", destination_id)
+    activities = ExportActivities(store, db.settings(task_queue=f"rc-{uuid.uuid4().hex[:8]}", max_uploads=1,
+                                                     max_builds=1),
+                                  worker_id="worker-test", worker_task_queue="rc-own")
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        late_job = await create_job(store, tenant_id, destination_id)
+        late_attempt = await drive(store, late_job, Status.DELIVERING)
+        late_row = await store.read_job(late_job)
+        await activities._session_under(1, late_row, late_attempt, {})  # cutoff 2's session
+        assert (late_job, late_attempt) in activities.partner_sessions
+
+        async def failing_release(*key):  # type: ignore[no-untyped-def]
+            raise ConnectionResetError("connection reset by peer")  # the database blips as the keeper gives up
+
+        monkeypatch.setattr(store, "release_partner_session", failing_release)
+        activities._free((late_job, late_attempt))  # the keeper gave up waiting for deliver
+        await asyncio.sleep(0.2)
+
+        waiter_job = await create_job(store, tenant_id, destination_id)
+        waiter_attempt = await drive(store, waiter_job, Status.RUNNING)
+        waiter_row = await store.read_job(waiter_job)
+        # W at cutoff 2: the worker's only upload slot first, then the session.
+        await activities._slot(activities.capacity.uploads, waiter_row, waiter_attempt, {})
+        tasks.append(asyncio.create_task(activities._session_under(1, waiter_row, waiter_attempt, {})))
+        # L's late deliver: its upload slot, then its session.
+        tasks.append(asyncio.create_task(activities._upload_capacity(1, late_row, late_attempt, {})))
+        done, _ = await asyncio.wait(tasks, timeout=8)
+        live = await db.admin.fetchval(
+            "SELECT count(*) FROM partner_sessions WHERE job_id = $1 AND attempt_id = $2", late_job, late_attempt)
+        assert done, (
+            f"deadlock: for 8 s W held the worker's only upload slot waiting for P's only session, while L (its "
+            f"session row still live: {live}) waited for W's upload slot")
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await activities.close()
