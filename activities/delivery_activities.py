@@ -217,8 +217,7 @@ class DeliveryActivities(ExportActivitiesBase):
         the contract's limit, waited for as cutoff 2 waits (and in its order). A session row the keeper failed to give
         back is given back first: still live (the row names the attempt), it would be held while this waits for a
         slot, and an attempt holding that slot here could be waiting for it."""
-        if limit is not None:
-            await self._session_released((job.id, attempt_id))
+        if limit is not None:  # the keeper's own release, if still under way, is waited for by the take below
             await retry_patiently(lambda: self.store.release_partner_session(job.id, attempt_id),
                                   retryable=errors.is_transient, patience=self.settings.lease_seconds, first_delay=0.5,
                                   max_delay=_SESSION_RETRY_SECONDS,
