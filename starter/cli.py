@@ -187,7 +187,8 @@ def migrate(
                                                                   "needs); default: this release's newest"),
 ) -> None:
     """Apply the database migrations as the owner role (EXPORTS_OWNER_DATABASE_URL), and the grants the worker
-    checks at start. With --to, migrate up or down to that revision, in one transaction."""
+    checks at start. With --to, migrate up or down to that revision. An upgrade commits each migration on its
+    own (a failed one keeps those before it); a downgrade is one transaction."""
     from starter.preflight import grant_statements
     from store.db import MigrationLocked, UnknownRevision, head_revision, migration_sql, resolve_revision
     from store.db import migrate as run_migrations

@@ -355,7 +355,8 @@ class UnknownRevision(ValueError):
 
 
 class MigrationLocked(Exception):
-    """A migration waited its bound for a lock another session holds, and rolled back: nothing changed."""
+    """A migration waited its bound for a lock another session holds, and rolled back; an upgrade keeps the
+    migrations it committed before it (the line says which revision the database is at)."""
 
 
 @lru_cache(maxsize=1)
@@ -422,47 +423,74 @@ MIGRATION_WAIT_SECONDS = 300
 
 async def migrate(owner_url: str, revision: str = "head", *, lock_timeout_seconds: float = 10.0,
                   then: Sequence[str] = ()) -> tuple[str | None, str]:
-    """Bring the schema to `revision` (the newest by default), up or down, as the owner role, in one transaction;
-    returns (the revision before, the revision now). Safe to run again: Alembic skips what is applied. A target
-    this release does not know, or a database that a newer release migrated, is UnknownRevision, before any
-    change. Each lock is waited for at most `lock_timeout_seconds`, then MigrationLocked: a DDL statement queued
-    behind a long transaction would hold every worker's statement on that table behind it, for as long.
-    `then`: statements run after the migration in its transaction (the worker's grants), so that they too are
-    run by one migration at a time (concurrent GRANTs on one object fail: "tuple concurrently updated")."""
+    """Bring the schema to `revision` (the newest by default), up or down, as the owner role; returns (the
+    revision before, the revision now). Safe to run again: Alembic skips what is applied. A target this release
+    does not know, or a database that a newer release migrated, is UnknownRevision, before any change.
+
+    An upgrade commits each migration on its own, so a lock it takes lasts only as long as that migration: a table
+    altered early is read again while a later index builds, and the previous release's workers go on during a
+    rolling deploy. One that fails keeps the migrations before it, each a revision the previous release runs on;
+    the same command goes on from there. A downgrade runs in one transaction, all or nothing: a rollback left half
+    done would be at a revision that neither release runs on.
+
+    Each lock is waited for at most `lock_timeout_seconds`, then MigrationLocked: a DDL statement queued behind a
+    long transaction would hold every worker's statement on that table behind it, for as long. `then`: statements
+    run after the migrations (the worker's grants) while this run still holds the migration lock, so that they too
+    are run by one migration at a time (concurrent GRANTs on one object fail: "tuple concurrently updated")."""
     target = resolve_revision(revision)
     # No statement bound: a migration's DDL may rightly run long; its lock waits have lock_timeout_seconds.
     engine = make_engine(owner_url, pool_size=1, max_overflow=0, bounds=replace(Bounds.defaults(),
                                                                                   statement_seconds=None))
 
+    def revision_now(sync_conn: Connection) -> str | None:
+        current = MigrationContext.configure(sync_conn).get_current_revision()
+        sync_conn.commit()  # Alembic begins a transaction of each migration only on a connection outside one
+        return current
+
     def run(sync_conn: Connection) -> str | None:
         # One migration at a time (every worker pod runs one as it starts): the others wait here, without holding
         # anything another session waits for, then find nothing to apply. Without it, two at once collided on
-        # the same DDL and the later failed.
-        sync_conn.exec_driver_sql(f"SET LOCAL lock_timeout = {int(MIGRATION_WAIT_SECONDS * 1000)}")
-        sync_conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_KEY})")
-        sync_conn.exec_driver_sql(f"SET LOCAL lock_timeout = {int(lock_timeout_seconds * 1000)}")
-        current = MigrationContext.configure(sync_conn).get_current_revision()
+        # the same DDL and the later failed. The session holds it across the migrations' transactions; closing
+        # the session (the engine's dispose, below) gives it back however the run ends.
+        sync_conn.exec_driver_sql(f"SET lock_timeout = {int(MIGRATION_WAIT_SECONDS * 1000)}")
+        try:
+            sync_conn.exec_driver_sql(f"SELECT pg_advisory_lock({MIGRATION_LOCK_KEY})")
+        except Exception as exc:
+            if errors.is_lock_timeout(exc):
+                raise MigrationLocked(f"another `exports migrate` kept the migration lock for "
+                                      f"{MIGRATION_WAIT_SECONDS} s: nothing changed; run it again") from None
+            raise
+        sync_conn.exec_driver_sql(f"SET lock_timeout = {int(lock_timeout_seconds * 1000)}")
+        current = revision_now(sync_conn)
         if current is not None and current not in known_revisions():
             raise UnknownRevision(newer_revision_line(current))
         config = _alembic_config(sync_conn)
-        if current is not None and _is_below(target, current):
-            command.downgrade(config, target)
-        else:
-            command.upgrade(config, target)
+        try:
+            if current is not None and _is_below(target, current):
+                command.downgrade(config, target)
+            else:
+                config.attributes["transaction_per_migration"] = True
+                command.upgrade(config, target)
+            sync_conn.exec_driver_sql(GRANT_REVISION_READ)
+            for statement in then:
+                sync_conn.exec_driver_sql(statement)
+            sync_conn.commit()
+        except Exception as exc:
+            if not errors.is_lock_timeout(exc):
+                raise
+            sync_conn.rollback()
+            now = revision_now(sync_conn)
+            kept = ("nothing changed" if now == current else
+                    f"the migrations before it are kept: the database is at revision {now} (from "
+                    f"{current or 'empty'})")
+            raise MigrationLocked(f"the migration waited {lock_timeout_seconds:g} s for a lock that another session "
+                                  f"holds (a long transaction, or a statement of a running worker) and rolled back; "
+                                  f"{kept}; run it again") from None
         return current
 
     try:
-        async with engine.begin() as conn:
+        async with engine.connect() as conn:
             before = await conn.run_sync(run)
-            await conn.exec_driver_sql(GRANT_REVISION_READ)
-            for statement in then:
-                await conn.exec_driver_sql(statement)
-    except Exception as exc:
-        if errors.is_lock_timeout(exc):
-            raise MigrationLocked(f"the migration waited {lock_timeout_seconds:g} s for a lock that another session "
-                                  "holds (a long transaction, or a statement of a running worker) and rolled back: "
-                                  "nothing changed; run it again") from None
-        raise
     finally:
         await engine.dispose()
     return before, target
@@ -471,7 +499,9 @@ async def migrate(owner_url: str, revision: str = "head", *, lock_timeout_second
 def migration_sql(from_revision: str | None = None, to_revision: str = "head") -> str:
     """The SQL that `migrate` would run, for a DBA to review or apply with psql (Alembic's offline mode): from
     an empty database, or from `from_revision` (the one recorded in the database's alembic_version), to
-    `to_revision`; a downgrade when that comes before `from_revision`. Connects to nothing. A revision this
+    `to_revision`; a downgrade when that comes before `from_revision`. As online, an upgrade's migrations are a
+    transaction each (psql -v ON_ERROR_STOP=1 stops at a failed one, with those before it kept and recorded), a
+    downgrade one transaction. Connects to nothing. A revision this
     release does not know is UnknownRevision (a ValueError)."""
     target = resolve_revision(to_revision)
     start = None if from_revision is None else resolve_revision(from_revision)
@@ -482,11 +512,12 @@ def migration_sql(from_revision: str | None = None, to_revision: str = "head") -
         if start is not None and _is_below(target, start):
             command.downgrade(config, f"{start}:{target}", sql=True)
         else:
+            config.attributes["transaction_per_migration"] = True
             command.upgrade(config, target if start is None else f"{start}:{target}", sql=True)
     except CommandError as exc:
         raise ValueError(str(exc)) from None
     text = out.getvalue()
-    # Inside the script's one transaction, as the online run does it.
+    # Inside the script's last transaction, as the online run does it after the migrations.
     body, commit, rest = text.rpartition("COMMIT;")
     if not commit:
         return f"{text}{GRANT_REVISION_READ};\n"

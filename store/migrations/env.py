@@ -10,14 +10,17 @@ if context.is_offline_mode():
         dialect_name="postgresql",
         dialect_opts={"paramstyle": "named"},  # the default (pyformat) would write every % of a script as %%
         literal_binds=True,
-        transactional_ddl=True,  # the script is one transaction, as the online run is
+        transactional_ddl=True,
+        # As the online run does it (store.db.migrate): an upgrade commits each migration, a downgrade is one
+        transaction_per_migration=context.config.attributes.get("transaction_per_migration", False),
         output_buffer=context.config.attributes.get("output_buffer"),
     )
 else:
     connection = context.config.attributes.get("connection")
     if connection is None:
         raise RuntimeError("run migrations through `exports migrate` (store.migrate), which supplies the connection")
-    context.configure(connection=connection, transactional_ddl=True)
+    context.configure(connection=connection, transactional_ddl=True,
+                      transaction_per_migration=context.config.attributes.get("transaction_per_migration", False))
 
 with context.begin_transaction():
     context.run_migrations()

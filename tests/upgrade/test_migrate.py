@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
+import asyncpg
 import pytest
 
-from tests.helpers.support import Ran, exports_command
+from tests.helpers.support import Ran, create_job, eventually, exports_command, seed_tenant
 
 
 async def exports(db, *args: str, **overrides: object) -> Ran:
@@ -34,3 +36,75 @@ async def test_migrate__a_lock_held_elsewhere_is_waited_for_a_bound_then_nothing
     ran = await exports(db, "migrate", migration_lock_timeout_seconds=1)
     assert ran.code == 0, ran
     assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == "0020"
+
+
+async def _waits_for_the_outbox(db) -> bool:
+    return bool(await db.admin.fetchval(
+        "SELECT count(*) FROM pg_locks WHERE relation = 'outbox'::regclass AND NOT granted"))
+
+
+@pytest.mark.spec("UP1")
+async def test_an_upgrade_holds_each_tables_lock_only_while_its_own_migration_runs(db, store):
+    """From 0007, 0010 and later alter export_jobs (ACCESS EXCLUSIVE) and 0019 indexes the outbox. Run in one
+    transaction, those locks were held to the end: while 0019 waited for an insert into the outbox, nobody could
+    read export_jobs (`exports show`, the reconciler, a client's start). Each migration commits on its own now,
+    so export_jobs is readable while 0019 waits, and the waiting shows the revision already reached."""
+    tenant, destination = await seed_tenant(db.admin)
+    job = await create_job(store, tenant, destination)
+    down = await exports(db, "migrate", "--to", "0007")
+    assert down.code == 0, down
+    holder = await db.connect("owner")  # a create in flight: it has inserted into the outbox, not committed
+    await holder.execute("BEGIN")
+    await holder.execute("LOCK TABLE outbox IN ROW EXCLUSIVE MODE")
+    migrating = asyncio.create_task(exports(db, "migrate", migration_lock_timeout_seconds=20))
+    reader = await asyncpg.connect(db.url("app").replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        await eventually(lambda: _waits_for_the_outbox(db), bool, timeout=20, what="0019 waiting for the outbox")
+        await reader.execute("SET statement_timeout = '1s'")
+        status = await reader.fetchval("SELECT status FROM export_jobs WHERE id = $1", job)
+        reached = await reader.fetchval("SELECT version_num FROM alembic_version")
+    finally:
+        await holder.execute("ROLLBACK")
+        await holder.close()
+        await reader.close()
+        ran = await migrating
+    assert (status, reached) == ("Queued", "0018")
+    assert ran.code == 0, ran
+    assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == "0020"
+
+
+@pytest.mark.spec("UP1")
+async def test_an_upgrade_that_gives_up_on_a_lock_keeps_the_migrations_before_it_and_says_where_it_stopped(db):
+    """A lock not had within the bound rolls back only the migration that waited for it; the line says which
+    revision the database is at, and the same command then goes on from there."""
+    down = await exports(db, "migrate", "--to", "0007")
+    assert down.code == 0, down
+    holder = await db.connect("owner")
+    try:
+        await holder.execute("BEGIN")
+        await holder.execute("LOCK TABLE outbox IN ROW EXCLUSIVE MODE")
+        blocked = await exports(db, "migrate", migration_lock_timeout_seconds=1)
+    finally:
+        await holder.execute("ROLLBACK")
+        await holder.close()
+    assert blocked.code == 3, blocked
+    assert blocked.stderr.count("\n") == 1 and "waited 1 s for a lock" in blocked.stderr, blocked
+    assert "at revision 0018 (from 0007)" in blocked.stderr, blocked
+    assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == "0018"
+    ran = await exports(db, "migrate")
+    assert ran.code == 0, ran
+    assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == "0020"
+
+
+@pytest.mark.spec("UP3")
+async def test_a_downgrade_that_one_migration_refuses_changes_nothing(db):
+    """A rollback is all or nothing: 0003's downgrade refuses while a destination relies on check_file, and the
+    downgrades of 0020 to 0004 before it are rolled back with it, so the database stays at a revision the
+    running release knows."""
+    _, destination = await seed_tenant(db.admin)
+    await db.admin.execute("UPDATE destinations SET hash_evidence = 'check_file' WHERE id = $1", destination)
+    refused = await exports(db, "migrate", "--to", "0002")
+    assert refused.code != 0, refused
+    assert "ck_destinations_hash_evidence" in refused.stderr, refused
+    assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == "0020"
+    assert await db.admin.fetchval("SELECT to_regclass('partner_session_waits') IS NOT NULL")
