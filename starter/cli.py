@@ -37,6 +37,7 @@ from starter.exits import (
     EXIT_NOT_DONE,
     EXIT_REFUSED,
     EXIT_UNEXPECTED,
+    EXIT_UNREACHABLE,
     NoArgsIsHelpError,
     answer,
 )
@@ -190,7 +191,14 @@ def migrate(
     checks at start. With --to, migrate up or down to that revision. An upgrade commits each migration on its
     own (a failed one keeps those before it); a downgrade is one transaction."""
     from starter.preflight import grant_statements
-    from store.db import MigrationLocked, UnknownRevision, head_revision, migration_sql, resolve_revision
+    from store.db import (
+        MigrationLocked,
+        MigrationStopped,
+        UnknownRevision,
+        head_revision,
+        migration_sql,
+        resolve_revision,
+    )
     from store.db import migrate as run_migrations
 
     if from_revision is not None and not sql:
@@ -201,7 +209,7 @@ def migrate(
         fail(f"error: {exc}")
     if sql:
         try:
-            text = migration_sql(from_revision, target)
+            text = migration_sql(from_revision, target, lock_timeout_seconds=_settings().migration_lock_timeout_seconds)
         except ValueError as exc:
             fail(f"error: {exc}")
         sys.stdout.write(text)  # not through rich: the SQL exactly as written, never wrapped
@@ -223,6 +231,9 @@ def migrate(
         fail(f"error: {exc}")
     except MigrationLocked as exc:
         fail(f"not done: {exc}", EXIT_NOT_DONE)
+    except MigrationStopped as exc:  # refused by PostgreSQL, or PostgreSQL lost, part way
+        code, _ = answer(exc.cause)
+        fail(f"{'unreachable' if code == EXIT_UNREACHABLE else 'refused'}: {exc}", code)
     if before == after:
         console.print(f"migrations applied: the database was already at {after}")
     else:

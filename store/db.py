@@ -354,6 +354,15 @@ class UnknownRevision(ValueError):
     """A revision this release's migrations do not contain: one line, nothing changed."""
 
 
+class MigrationStopped(Exception):
+    """An upgrade that failed part way for another reason than a lock: its line says why and which revision the
+    database is at; `cause` is the failure, for the kind of answer (refused, or PostgreSQL lost)."""
+
+    def __init__(self, line: str, cause: Exception) -> None:
+        super().__init__(line)
+        self.cause = cause
+
+
 class MigrationLocked(Exception):
     """A migration waited its bound for a lock another session holds, and rolled back; an upgrade keeps the
     migrations it committed before it (the line says which revision the database is at)."""
@@ -415,7 +424,7 @@ async def database_revision(conn: asyncpg.Connection) -> str | None:
     return revision
 
 
-# The advisory lock that serialises migrations (pg_advisory_xact_lock's bigint): "exports migrate".
+# The advisory lock that serialises migrations (pg_advisory_lock's bigint, held by the session): "exports migrate".
 MIGRATION_LOCK_KEY = int.from_bytes(b"xmigrate", "big") & 0x7FFF_FFFF_FFFF_FFFF
 # How long a migration waits for another to finish before it gives up (MigrationLocked; run it again).
 MIGRATION_WAIT_SECONDS = 300
@@ -442,11 +451,6 @@ async def migrate(owner_url: str, revision: str = "head", *, lock_timeout_second
     engine = make_engine(owner_url, pool_size=1, max_overflow=0, bounds=replace(Bounds.defaults(),
                                                                                   statement_seconds=None))
 
-    def revision_now(sync_conn: Connection) -> str | None:
-        current = MigrationContext.configure(sync_conn).get_current_revision()
-        sync_conn.commit()  # Alembic begins a transaction of each migration only on a connection outside one
-        return current
-
     def run(sync_conn: Connection) -> str | None:
         # One migration at a time (every worker pod runs one as it starts): the others wait here, without holding
         # anything another session waits for, then find nothing to apply. Without it, two at once collided on
@@ -461,31 +465,36 @@ async def migrate(owner_url: str, revision: str = "head", *, lock_timeout_second
                                       f"{MIGRATION_WAIT_SECONDS} s: nothing changed; run it again") from None
             raise
         sync_conn.exec_driver_sql(f"SET lock_timeout = {int(lock_timeout_seconds * 1000)}")
-        current = revision_now(sync_conn)
+        current = MigrationContext.configure(sync_conn).get_current_revision()
+        sync_conn.commit()  # Alembic begins a transaction of each migration only on a connection outside one
         if current is not None and current not in known_revisions():
             raise UnknownRevision(newer_revision_line(current))
         config = _alembic_config(sync_conn)
-        try:
-            if current is not None and _is_below(target, current):
+        if current is not None and _is_below(target, current):
+            try:
                 command.downgrade(config, target)
-            else:
-                config.attributes["transaction_per_migration"] = True
-                command.upgrade(config, target)
+            except Exception as exc:
+                raise _stopped(exc, lock_timeout_seconds, current, current, f"the downgrade to {target}",
+                               target) from None
+        else:
+            config.attributes["transaction_per_migration"] = True
+            reached = current
+            # One at a time, so that the revision reached is known: each returns once its transaction committed.
+            for step in _upgrade_path(current, target):
+                try:
+                    command.upgrade(config, step)
+                except Exception as exc:
+                    raise _stopped(exc, lock_timeout_seconds, current, reached, f"the migration to {step}",
+                                   step) from None
+                reached = step
+        try:
             sync_conn.exec_driver_sql(GRANT_REVISION_READ)
             for statement in then:
                 sync_conn.exec_driver_sql(statement)
             sync_conn.commit()
         except Exception as exc:
-            if not errors.is_lock_timeout(exc):
-                raise
-            sync_conn.rollback()
-            now = revision_now(sync_conn)
-            kept = ("nothing changed" if now == current else
-                    f"the migrations before it are kept: the database is at revision {now} (from "
-                    f"{current or 'empty'})")
-            raise MigrationLocked(f"the migration waited {lock_timeout_seconds:g} s for a lock that another session "
-                                  f"holds (a long transaction, or a statement of a running worker) and rolled back; "
-                                  f"{kept}; run it again") from None
+            raise _stopped(exc, lock_timeout_seconds, current, target, "the grants after the migrations",
+                           None) from None
         return current
 
     try:
@@ -496,12 +505,49 @@ async def migrate(owner_url: str, revision: str = "head", *, lock_timeout_second
     return before, target
 
 
-def migration_sql(from_revision: str | None = None, to_revision: str = "head") -> str:
+def _upgrade_path(current: str | None, target: str) -> list[str]:
+    """The revisions an upgrade from `current` applies to reach `target`, oldest first."""
+    if current == target:
+        return []
+    return [script.revision for script in reversed(list(_scripts().iterate_revisions(target, current or "base")))
+            if script.revision != current]
+
+
+def _waited(lock_timeout_seconds: float) -> str:
+    return (f"the migration waited {lock_timeout_seconds:g} s for a lock that another session holds (a long "
+            f"transaction, or a statement of a running worker) and rolled back")
+
+
+def _stopped(exc: Exception, lock_timeout_seconds: float, before: str | None, reached: str | None, failed: str,
+             failed_revision: str | None) -> Exception:
+    """What a migration run that failed part way says: why, and the revision the database is at. An upgrade keeps
+    the migrations it committed before the failed one; a downgrade, one transaction, keeps none."""
+    if reached == before:
+        kept = "nothing changed"
+    else:
+        kept = f"the migrations before it are kept: the database is at revision {reached} (from {before or 'empty'})"
+    if errors.is_lock_timeout(exc):
+        return MigrationLocked(f"{_waited(lock_timeout_seconds)}; {kept}; run it again")
+    if errors.is_uncertain(exc):
+        # Its commit may have been the statement in flight: only the database knows, and a run again reads it.
+        went = (f", unless it was committing as the connection went (then at {failed_revision})"
+                if failed_revision else "")
+        return MigrationStopped(f"the connection to PostgreSQL was lost during {failed} ({errors.describe(exc)}); "
+                                f"{kept}{went}; run it again: it goes on from the revision the database records",
+                                exc)
+    return MigrationStopped(f"{failed} failed and rolled back: {errors.describe(exc)}; {kept}; mend the cause and "
+                            f"run it again", exc)
+
+
+def migration_sql(from_revision: str | None = None, to_revision: str = "head", *,
+                  lock_timeout_seconds: float = 10.0) -> str:
     """The SQL that `migrate` would run, for a DBA to review or apply with psql (Alembic's offline mode): from
     an empty database, or from `from_revision` (the one recorded in the database's alembic_version), to
     `to_revision`; a downgrade when that comes before `from_revision`. As online, an upgrade's migrations are a
     transaction each (psql -v ON_ERROR_STOP=1 stops at a failed one, with those before it kept and recorded), a
-    downgrade one transaction. Connects to nothing. A revision this
+    downgrade one transaction. Like `migrate`, the script first takes the migration lock (so that it and the
+    workers' `exports migrate` take turns) and bounds each lock wait by `lock_timeout_seconds`; both hold for the
+    psql session. Connects to nothing. A revision this
     release does not know is UnknownRevision (a ValueError)."""
     target = resolve_revision(to_revision)
     start = None if from_revision is None else resolve_revision(from_revision)
@@ -516,9 +562,21 @@ def migration_sql(from_revision: str | None = None, to_revision: str = "head") -
             command.upgrade(config, target if start is None else f"{start}:{target}", sql=True)
     except CommandError as exc:
         raise ValueError(str(exc)) from None
-    text = out.getvalue()
+    text = _session_preamble(lock_timeout_seconds) + out.getvalue()
     # Inside the script's last transaction, as the online run does it after the migrations.
     body, commit, rest = text.rpartition("COMMIT;")
     if not commit:
         return f"{text}{GRANT_REVISION_READ};\n"
     return f"{body}{GRANT_REVISION_READ};\n\n{commit}{rest}"
+
+
+def _session_preamble(lock_timeout_seconds: float) -> str:
+    """The script's first statements, what `migrate` does on its session before the migrations."""
+    return (f"-- One migration at a time, as `exports migrate` takes turns: wait at most {MIGRATION_WAIT_SECONDS} s "
+            f"for another.\n"
+            f"SET lock_timeout = {int(MIGRATION_WAIT_SECONDS * 1000)};\n"
+            f"SELECT pg_advisory_lock({MIGRATION_LOCK_KEY});\n"
+            f"-- Each lock a migration needs is waited for at most {lock_timeout_seconds:g} s: a DDL statement queued "
+            f"behind a long\n-- transaction would hold every statement on its table behind it. Past it, psql stops "
+            f"(ON_ERROR_STOP):\n-- run the script again from the revision reached (--from).\n"
+            f"SET lock_timeout = {int(lock_timeout_seconds * 1000)};\n\n")

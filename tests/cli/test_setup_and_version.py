@@ -128,8 +128,15 @@ async def test_migrate_sql_writes_a_downgrade_that_applies(db, tmp_path):
                             PREVIOUS, cwd=tmp_path)
     assert printed.code == 0, printed
     assert f"Running downgrade {head_revision()} -> {PREVIOUS}" in printed.stdout, printed
-    assert printed.stdout.startswith("BEGIN;") and printed.stdout.rstrip().endswith("COMMIT;"), printed
-    await db.admin.execute(printed.stdout)  # as psql applies it: one transaction
+    # The session's preamble (the migration lock, the lock bound), then one transaction.
+    preamble, begin, _ = printed.stdout.partition("\nBEGIN;\n")
+    assert begin and "pg_advisory_lock" in preamble and "SET lock_timeout" in preamble, printed
+    assert printed.stdout.count("BEGIN;") == 1 and printed.stdout.rstrip().endswith("COMMIT;"), printed
+    applying = await db.connect("owner")  # a session of its own, as psql's: the lock and the bound end with it
+    try:
+        await applying.execute(printed.stdout)
+    finally:
+        await applying.close()
     assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == PREVIOUS
     # The read the worker's preflight needs, granted inside the script as the online migration grants it.
     assert await db.admin.fetchval("SELECT has_table_privilege('exports_app', 'alembic_version', 'SELECT')")

@@ -244,7 +244,8 @@ async def test_migrate_sql_needs_no_database_and_psql_applies_the_same_schema(tc
     # Nothing configured, and a PGHOST that answers nothing: the command must not try.
     printed = exports("migrate", "--sql", env={"PGHOST": "/nonexistent", "PGCONNECT_TIMEOUT": "1"})
     assert printed.returncode == 0, printed.stderr
-    assert printed.stdout.startswith("BEGIN;") and printed.stdout.rstrip().endswith("COMMIT;")
+    assert printed.stdout.startswith("-- One migration at a time") and printed.stdout.rstrip().endswith("COMMIT;")
+    assert "\nBEGIN;\n" in printed.stdout
 
     reviewed = await fresh_database(tcp_cluster, "exports_reviewed")
     script = tcp_cluster.root / "migration.sql"

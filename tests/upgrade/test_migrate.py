@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import asyncpg
 import pytest
 
+from starter.localstack.postgres import LocalPostgres
+from store.db import asyncpg_dsn, migration_sql
+from tests.helpers.faults import fault_proxy
 from tests.helpers.support import Ran, create_job, eventually, exports_command, seed_tenant
 
 
@@ -108,3 +112,83 @@ async def test_a_downgrade_that_one_migration_refuses_changes_nothing(db):
     assert "ck_destinations_hash_evidence" in refused.stderr, refused
     assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == "0020"
     assert await db.admin.fetchval("SELECT to_regclass('partner_session_waits') IS NOT NULL")
+
+
+async def revision(db) -> str:
+    return await db.admin.fetchval("SELECT version_num FROM alembic_version")
+
+
+@pytest.mark.spec("UP1")
+async def test_a_migration_that_fails_on_a_statement_says_which_revision_the_database_is_at(db):
+    """0019 fails on a statement (its index is there already: a DBA built it CONCURRENTLY ahead of the upgrade, to
+    spare the outbox 0019's SHARE lock). 0008 to 0018 are committed and kept, and the one line says so; it used
+    to say only "refused by PostgreSQL", as if nothing had changed (found by review)."""
+    down = await exports(db, "migrate", "--to", "0007")
+    assert down.code == 0, down
+    await db.admin.execute(
+        "CREATE INDEX CONCURRENTLY ix_outbox_unpublished_job ON outbox (job_id) WHERE published_at IS NULL")
+    failed = await exports(db, "migrate")
+    assert failed.code == 4, failed
+    assert await revision(db) == "0018"
+    assert failed.stderr.count("\n") == 1, failed
+    assert failed.stderr.startswith("refused: the migration to 0019 failed and rolled back"), failed
+    assert "already exists" in failed.stderr and "at revision 0018 (from 0007)" in failed.stderr, failed
+    await db.admin.execute("DROP INDEX ix_outbox_unpublished_job")
+    ran = await exports(db, "migrate")
+    assert ran.code == 0 and await revision(db) == "0020", ran
+
+
+@pytest.mark.spec("UP1")
+async def test_a_migration_whose_connection_is_lost_midway_says_the_revision_reached(db, pg_server):
+    """The connection is cut while 0019 waits for the outbox, 0008 to 0018 committed: the line names 0018, and
+    does not send the operator to read an export, as the client commands' line for a lost connection does
+    (found by review)."""
+    down = await exports(db, "migrate", "--to", "0007")
+    assert down.code == 0, down
+    holder = await db.connect("owner")
+    async with fault_proxy(pg_server) as proxy:
+        try:
+            await holder.execute("BEGIN")
+            await holder.execute("LOCK TABLE outbox IN ROW EXCLUSIVE MODE")
+            migrating = asyncio.create_task(exports(
+                db, "migrate", migration_lock_timeout_seconds=30, owner_database_url=proxy.url("postgres", db.name)))
+            await eventually(lambda: _waits_for_the_outbox(db), bool, timeout=30, what="0019 waiting for the outbox")
+            proxy.cut_all()
+            ran = await asyncio.wait_for(migrating, 60)
+        finally:
+            await holder.execute("ROLLBACK")
+            await holder.close()
+    assert ran.code == 5, ran
+    assert ran.stderr.startswith("unreachable: the connection to PostgreSQL was lost during the migration to 0019"), ran
+    assert "at revision 0018 (from 0007)" in ran.stderr and "exports show" not in ran.stderr, ran
+    # The server ends the cut session once 0019's statement returns: its transaction rolls back, 0018 stays.
+    await eventually(lambda: revision(db), lambda r: r == "0018", timeout=30, what="the database at 0018")
+
+
+@pytest.mark.spec("UP1")
+async def test_the_printed_upgrade_bounds_its_lock_waits_as_exports_migrate_does(db):
+    """Applied with psql while a transaction holds a row of export_jobs (what SELECT ... FOR UPDATE holds), the
+    printed script's ALTER TABLE of 0010 waited for good, and every reader of export_jobs queued behind it. It now
+    sets the same bound as `exports migrate` and stops there, keeping 0009 (found by review)."""
+    down = await exports(db, "migrate", "--to", "0009")
+    assert down.code == 0, down
+    script = migration_sql("0009", lock_timeout_seconds=1)
+    holder = await db.connect("owner")
+    dsn = asyncpg_dsn(db.url("owner")).replace("postgresql+asyncpg://", "postgresql://")
+    psql = None
+    try:
+        await holder.execute("BEGIN")
+        await holder.execute("LOCK TABLE export_jobs IN ROW SHARE MODE")
+        psql = await asyncio.create_subprocess_exec(
+            str(LocalPostgres.program("psql")), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", dsn, "-f", "-",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "PGCONNECT_TIMEOUT": "10"})
+        _, stderr = await asyncio.wait_for(psql.communicate(script.encode()), 30)
+    finally:
+        if psql is not None and psql.returncode is None:
+            psql.kill()
+            await psql.wait()
+        await holder.execute("ROLLBACK")
+        await holder.close()
+    assert psql.returncode == 3 and b"lock timeout" in stderr, (psql.returncode, stderr)
+    assert await revision(db) == "0009"
