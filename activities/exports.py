@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import unicodedata
 from datetime import timedelta
 from typing import Any
 from uuid import UUID
@@ -273,7 +274,16 @@ class ExportActivities(BuildActivities, DeliveryActivities):
             if event.HasField("workflow_execution_cancel_requested_event_attributes"):
                 identity = event.workflow_execution_cancel_requested_event_attributes.identity
                 break
-        return f"{TEMPORAL_CANCEL_OPERATOR}: {identity}"[:MAX_NAME] if identity else TEMPORAL_CANCEL_OPERATOR
+        identity = _shown(identity)
+        return f"{TEMPORAL_CANCEL_OPERATOR}: {identity}"[:MAX_NAME] if identity.strip() else TEMPORAL_CANCEL_OPERATOR
+
+
+def _shown(identity: str) -> str:
+    """A client's identity as an operator name can hold it. Whatever the cancelling client said it is, its cancel
+    must be recorded (the server takes one cancel of a run), so its text is mended, not refused as an operator's
+    typed name is: a NUL, which PostgreSQL refuses, and any other control character, which would reach an
+    operator's terminal (ESC), become U+FFFD."""
+    return "".join("\ufffd" if unicodedata.category(c) == "Cc" else c for c in identity)
 
 
 def _uuid(value: str) -> UUID:

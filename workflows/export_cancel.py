@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from temporalio import workflow
@@ -42,6 +42,11 @@ _STOP_OUTCOMES = (CancellationOutcome.STOP_REQUESTED, CancellationOutcome.STOP_A
 # A cancellation that found its row locked (Busy) is asked again this many times, this far apart.
 _BUSY_RETRIES = 5
 _BUSY_RETRY_INTERVAL = timedelta(seconds=2)
+# Temporal's cancel cannot be sent again, so past those tries it is asked again as long as this (patch
+# temporal-cancel-until-recorded), the pause doubling up to the longest: a row locked that long holds its export
+# still too, and a run asking once a minute adds a few events a minute to its history.
+_TEMPORAL_CANCEL_ASKED_FOR = timedelta(days=1)
+_LONGEST_BUSY_PAUSE = timedelta(minutes=1)
 # Temporal's cancel of a run becomes one stop request, the same one however often the cancel is repeated.
 _TEMPORAL_CANCEL = uuid.UUID("5d0c7f3e-5e1b-4c52-9a4b-7d2f3c1e0a11")
 # At most this many Update requests wait to be recorded; past it an Update is refused (send it again), so that a
@@ -71,6 +76,7 @@ class Cancellations:
         # Temporal's cancel: whether it was asked before the row was read, and the tenant a request of it recorded.
         self._temporal_cancel_asked_early = False
         self._temporal_cancel_recorded_for: uuid.UUID | None = None
+        self._temporal_cancel_first_busy: datetime | None = None  # when Temporal's cancel first found it locked
         self._last_refusal = ""
 
     @property
@@ -141,6 +147,12 @@ class Cancellations:
         """The `cancel` Update: the request recorded (or its earlier answer, asked again), and its outcome."""
         request = _parse_update(payload)
         asked = _asked(request)
+        earlier = self._answers.get(asked)
+        if earlier is not None and not _final(earlier):
+            # Busy, or a step that failed, recorded nothing: the same request asked again is asked of the row
+            # again, with all its tries, as the answer told the sender to do.
+            del self._answers[asked]
+            self._busy.pop(asked, None)
         if asked not in self._answers:
             self._updates_waiting += 1
             try:
@@ -260,21 +272,39 @@ class Cancellations:
 
     def _ask_again_later(self, request: CancelRequest) -> bool:
         """A Busy answer recorded nothing: the same request ID is asked again (its answer, if an earlier try
-        committed after all, is the one recorded), a few times. False once the tries are spent."""
+        committed after all, is the one recorded), a few times; Temporal's cancel, which its sender cannot send
+        again, for as long as `_TEMPORAL_CANCEL_ASKED_FOR`, in a run that took that branch. False once the tries
+        are spent."""
         asked = _asked(request)
         self._busy[asked] = tries = self._busy.get(asked, 0) + 1
-        if tries > _BUSY_RETRIES:
+        pause = _BUSY_RETRY_INTERVAL if tries <= _BUSY_RETRIES else self._temporal_cancel_pause(request, tries)
+        if pause is None:
             self._display.reject(f"cancel {request.request_id} not recorded: the export stayed busy "
-                                          f"through {_BUSY_RETRIES} tries; send it again")
+                                 f"through {tries - 1} tries; send it again")
             return False
         # Counted before the task starts, so that the run does not end while the request waits.
         self._waiting_to_ask_again += 1
-        asyncio.create_task(self._again_after_a_pause(request))
+        asyncio.create_task(self._again_after_a_pause(request, pause))
         return True
 
-    async def _again_after_a_pause(self, request: CancelRequest) -> None:
+    def _temporal_cancel_pause(self, request: CancelRequest, tries: int) -> timedelta | None:
+        """How long Temporal's cancel waits before it is asked again past the tries of any request, doubling; None
+        for any other request, once Temporal's cancel has been asked for `_TEMPORAL_CANCEL_ASKED_FOR`, and in runs
+        without the branch."""
+        if request.request_id != _temporal_cancel_request_id():
+            return None
+        if self._temporal_cancel_first_busy is None:
+            self._temporal_cancel_first_busy = workflow.now()
+        if workflow.now() - self._temporal_cancel_first_busy > _TEMPORAL_CANCEL_ASKED_FOR:
+            return None
+        if not workflow.patched(patches.TEMPORAL_CANCEL_UNTIL_RECORDED):
+            return None
+        pause: timedelta = _BUSY_RETRY_INTERVAL * 2 ** (tries - _BUSY_RETRIES)
+        return min(pause, _LONGEST_BUSY_PAUSE)
+
+    async def _again_after_a_pause(self, request: CancelRequest, pause: timedelta) -> None:
         try:
-            await workflow.sleep(_BUSY_RETRY_INTERVAL)
+            await workflow.sleep(pause)
             self._pending.append(request)
         finally:
             self._waiting_to_ask_again -= 1
@@ -283,6 +313,12 @@ class Cancellations:
 def _temporal_cancel_request_id() -> uuid.UUID:
     """The request ID of Temporal's cancel of this run: one record, however often the run is cancelled."""
     return uuid.uuid5(_TEMPORAL_CANCEL, workflow.info().run_id)
+
+
+def _final(answer: CancellationResult | str) -> bool:
+    """Whether an answer kept for an Update stands for the same request asked again: a recorded outcome does; Busy
+    and a step that failed recorded nothing."""
+    return isinstance(answer, CancellationResult) and answer.outcome is not CancellationOutcome.BUSY
 
 
 def _asked(request: CancelRequest) -> _Asked:

@@ -41,10 +41,15 @@ CANCEL_UPDATE = "cancel-update"
 # start's tenant before the row was read (0.3.0 ships it understood).
 CANCELED_WHILE_CLAIMING = "canceled-while-claiming"
 
+# Export runs that recorded this ask Temporal's cancel again, backing off, while the row stays locked (Busy), until
+# a request of it is recorded: the server takes one cancel of a run, so the UI's Cancel cannot be sent again. Runs
+# without it gave it up after the few tries any Busy request gets (0.3.0 ships it understood).
+TEMPORAL_CANCEL_UNTIL_RECORDED = "temporal-cancel-until-recorded"
+
 # Written on new runs by this release.
 ACTIVE = frozenset({ROW_FROM_DELIVERY, WAKE_AFTER_SETTLED, POLICY_AND_CLAIM, BUSY_CANCEL_RETRY, RECOVERY_ROUNDS})
 # Replayed where a history recorded them, never written: the next release activates them.
-UNDERSTOOD: frozenset[str] = frozenset({CANCEL_UPDATE, CANCELED_WHILE_CLAIMING})
+UNDERSTOOD: frozenset[str] = frozenset({CANCEL_UPDATE, CANCELED_WHILE_CLAIMING, TEMPORAL_CANCEL_UNTIL_RECORDED})
 
 
 def activates(request: PatchActivationInput) -> bool:

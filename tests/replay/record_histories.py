@@ -168,6 +168,32 @@ async def test_export_temporal_cancel_while_claiming(db, store, client, tmp_path
             release_held(h.settings, checkpoints.BUILD_STARTED, first)
 
 
+async def test_export_temporal_cancel_asked_until_recorded(db, store, client, tmp_path):
+    """The temporal-cancel-until-recorded branch: Temporal's cancel finds the row locked past the five tries any Busy
+    request gets, is asked again after longer pauses, and is recorded once the row is free; the attempt then stops
+    and the run returns Stopped."""
+    from tests.workflows.test_cancel_update import _waiting_run
+    from tests.workflows.test_temporal_cancel_kept import _asks
+
+    async with AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False, lock_timeout_ms=200,
+                               early_patches=patches.TEMPORAL_CANCEL_UNTIL_RECORDED)
+        job_id, handle = await _waiting_run(h)
+        locker = await lock_row(asyncpg_dsn(h.db.url("owner")), job_id)
+        try:
+            await handle.cancel()
+            await eventually(lambda: _asks(handle), lambda n: n >= 7, timeout=60, interval=0.5,
+                             what="Temporal's cancel asked past its five tries")
+        finally:
+            await unlock_row(locker)
+        row = await eventually(lambda: h.store.read_job(job_id), lambda r: r.stop_request_id is not None,
+                               timeout=60, interval=0.2, what="Temporal's cancel recorded")
+        assert await h.store.finish_stopped(job_id, row.attempt_id, "build")
+        await handle.signal("wake", {"message_id": str(uuid.uuid4())})  # its wake-up, with no dispatcher here
+        assert (await h.settled(job_id)).status is Status.STOPPED
+        await record_export(h, job_id, "export_temporal_cancel_asked_until_recorded")
+
+
 async def test_export_rejected(harness: Harness):
     await harness.db.admin.execute("UPDATE destinations SET enabled = false WHERE id = $1", harness.destination_id)
     job_id = await harness.create()

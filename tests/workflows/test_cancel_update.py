@@ -401,3 +401,32 @@ async def test_a_flood_that_piled_up_while_the_worker_was_paused_is_taken_in_one
             assert largest >= flood // 2, largest
         finally:
             await handle.terminate("test over")
+
+
+@pytest.mark.spec("LD7")
+async def test_a_cancel_update_retried_with_its_request_id_after_busy_is_asked_of_the_row_again(
+        db, store, client, tmp_path):
+    """Busy records nothing, and the answer says to send the same request again. The run kept the Busy answer and
+    gave it to the same request asked again, without a step: once the row was free, the operator's retry was
+    still Busy, for good (found by review)."""
+    async with AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False, early_patches=EARLY,
+                               lock_timeout_ms=200)
+        job_id, handle = await _waiting_run(h)
+        locker = await h.db.connect("owner")
+        try:
+            transaction = locker.transaction()
+            await transaction.start()
+            await locker.execute("SELECT 1 FROM export_jobs WHERE id = $1 FOR UPDATE", job_id)
+            request_id = uuid.uuid4()
+            first = await asyncio.wait_for(
+                handle.execute_update("cancel", _request(h, request_id), result_type=CancellationResult), BOUND)
+            assert first.outcome.value == "Busy", first
+            await transaction.rollback()
+            again = await asyncio.wait_for(
+                handle.execute_update("cancel", _request(h, request_id), result_type=CancellationResult), BOUND)
+            assert again.outcome.value == "StopRequested", again
+            assert (await h.store.read_job(job_id)).stop_request_id == request_id
+        finally:
+            await locker.close()
+            await handle.terminate("test over")

@@ -1,0 +1,95 @@
+"""Temporal's own cancel of an export's run (the UI's Cancel) is sent once: the server takes one cancel request of a
+run and ignores the next. So the run, not the operator, must see it recorded, whatever the client that sent it
+called itself, and however long the row stays locked (found by review)."""
+
+from __future__ import annotations
+
+import uuid
+from contextlib import AsyncExitStack
+
+import pytest
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.enums.v1 import EventType
+from temporalio.api.workflowservice.v1 import RequestCancelWorkflowExecutionRequest
+
+from store.models import Status
+from tests.helpers.harness import open_harness
+from tests.helpers.support import eventually
+from tests.workflows.test_cancel_update import _waiting_run
+from workflows import patches
+
+BOUND = 60.0
+
+
+async def _asks(handle) -> int:
+    """How often the run asked the row to record a cancellation."""
+    return sum(1 for e in (await handle.fetch_history()).events
+               if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+               and e.activity_task_scheduled_event_attributes.activity_type.name == "record_cancellation")
+
+
+@pytest.mark.spec("TW7")
+async def test_temporal_cancel_by_a_client_whose_identity_holds_control_characters_is_recorded(
+        db, store, client, tmp_path):
+    """A client's identity is its own free text. It went into the request's operator unchecked, and PostgreSQL
+    refuses a NUL: the request failed for good, and the export went on although it was cancelled. The identity is
+    now mended (control characters become U+FFFD), never refused."""
+    async with AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False)
+        job_id, handle = await _waiting_run(h)
+        try:
+            await client.workflow_service.request_cancel_workflow_execution(RequestCancelWorkflowExecutionRequest(
+                namespace=client.namespace, workflow_execution=WorkflowExecution(workflow_id=handle.id),
+                identity="ann@ui\x00\x1b[2J", request_id=str(uuid.uuid4())))
+            row = await eventually(lambda: h.store.read_job(job_id), lambda r: r.stop_request_id is not None,
+                                   timeout=BOUND, interval=0.2, what="Temporal's cancel recorded as a stop request")
+            assert row.status is Status.RUNNING
+            by = await h.db.admin.fetchval("SELECT requested_by FROM cancellation_requests WHERE id = $1",
+                                           row.stop_request_id)
+            assert by == "temporal-cancel: ann@ui\ufffd\ufffd[2J", by
+        finally:
+            await handle.terminate("test over")
+
+
+@pytest.mark.spec("TW7")
+@pytest.mark.parametrize("early", [True, False], ids=["branch", "this-release"])
+async def test_temporal_cancel_that_finds_the_row_locked_past_its_tries_is_asked_until_recorded(
+        db, store, client, tmp_path, early):
+    """Temporal's cancel found the row locked through the five tries any Busy request gets, and was given up: the
+    UI's Cancel cannot be sent again, so the export went on to deliver. With the patch
+    `temporal-cancel-until-recorded` the run goes on asking, backing off, and records it once the row is free.
+    Without it (this release's default, which a rollback needs), the run gives up as before and writes no marker."""
+    extra = {"early_patches": patches.TEMPORAL_CANCEL_UNTIL_RECORDED} if early else {}
+    async with AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False, lock_timeout_ms=200, **extra)
+        job_id, handle = await _waiting_run(h)  # Running; the run has read its row
+        locker = await h.db.connect("owner")
+        try:
+            transaction = locker.transaction()
+            await transaction.start()
+            await locker.execute("SELECT 1 FROM export_jobs WHERE id = $1 FOR UPDATE", job_id)
+            await handle.cancel()
+            if early:  # past the five tries, the branch's own
+                await eventually(lambda: _asks(handle), lambda n: n >= 7, timeout=BOUND, interval=0.5,
+                                 what="Temporal's cancel asked past its five tries")
+            else:
+                await eventually(lambda: handle.query("rejected_signals"),
+                                 lambda said: any("stayed busy" in line for line in said), timeout=BOUND,
+                                 interval=0.5, what="Temporal's cancel given up as Busy")
+            await transaction.rollback()  # the row is free again
+            if early:
+                row = await eventually(lambda: h.store.read_job(job_id), lambda r: r.stop_request_id is not None,
+                                       timeout=BOUND, interval=0.5, what="Temporal's cancel recorded")
+                assert row.status is Status.RUNNING
+            else:
+                asked = await _asks(handle)
+                assert asked == 6, asked  # the first try and five more, then nothing
+                assert (await h.store.read_job(job_id)).stop_request_id is None
+            history = await handle.fetch_history()
+            marked = any(e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED
+                         and patches.TEMPORAL_CANCEL_UNTIL_RECORDED.encode() in e.SerializeToString()
+                         for e in history.events)
+            assert marked is early
+        finally:
+            await locker.close()
+            await handle.terminate("test over")
