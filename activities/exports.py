@@ -41,7 +41,7 @@ from activities.export_base import activity_methods, hand_over_window
 from activities.lease import heartbeating
 from activities.process import metrics
 from store import errors
-from store.models import ClaimResult, JobRow, Status
+from store.models import CancellationOutcome, CancellationResult, ClaimResult, JobRow, Status
 from workflows.identity import EXPORT_WORKFLOW_PREFIX
 
 log = logging.getLogger(__name__)
@@ -259,10 +259,16 @@ class ExportActivities(BuildActivities, DeliveryActivities):
     async def record_cancellations(self, batch: CancelBatch) -> CancelBatchOutput:
         """Requests that waited together, each recorded as `record_cancellation` records one, in order. A retry
         after a failure part way records nothing twice: the requests recorded before it answer with their outcome
-        (one record per request ID)."""
-        results = []
+        (one record per request ID). Once one finds the row locked past the lock timeout (Busy), the rest are
+        answered Busy without asking: each would wait as long for the same row's lock, and a batch of them outlasted
+        the step's bound, to be retried whole; Busy records nothing, and the run asks them again."""
+        results: list[CancellationResult] = []
         for request in batch.requests:
-            results.append((await self.record_cancellation(request)).result)
+            if results and results[-1].outcome is CancellationOutcome.BUSY:
+                results.append(CancellationResult(request_id=request.request_id, outcome=CancellationOutcome.BUSY,
+                                                  job_id=results[-1].job_id))
+            else:
+                results.append((await self.record_cancellation(request)).result)
         return CancelBatchOutput(results=results)
 
     async def _temporal_cancel_operator(self) -> str:

@@ -430,3 +430,52 @@ async def test_a_cancel_update_retried_with_its_request_id_after_busy_is_asked_o
         finally:
             await locker.close()
             await handle.terminate("test over")
+
+
+@pytest.mark.spec("LD7")
+async def test_a_batch_of_cancel_requests_meeting_a_locked_row_is_answered_busy_within_one_step(
+        db, store, client, tmp_path):
+    """Requests that waited together are recorded by one step, each under the row lock. With the row locked, each
+    waited the lock timeout in turn: 40 of them (1 s each) outlasted the step's 30 s, and the step was retried whole,
+    up to ten times, while the requests waited (found by review). Past the first Busy, the rest are answered Busy
+    at once, and the run asks them again, as it asks a Busy request alone. (Signals: the server lets 10 Updates
+    wait at once, and a run that accepts the Update records signals in batches too.)"""
+    async with AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False, early_patches=EARLY,
+                               lock_timeout_ms=1000)
+        job_id, handle = await _waiting_run(h)
+        locker = await h.db.connect("owner")
+        try:
+            transaction = locker.transaction()
+            await transaction.start()
+            await locker.execute("SELECT 1 FROM export_jobs WHERE id = $1 FOR UPDATE", job_id)
+            first = _request(h)
+            await handle.signal("cancel", first)  # its step waits for the lock while the others come
+            for _ in range(40):
+                await handle.signal("cancel", _request(h))
+
+            def big_batch_ended(events: list) -> list:
+                scheduled = {e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+                             and e.activity_task_scheduled_event_attributes.activity_type.name ==
+                             "record_cancellations"
+                             and e.activity_task_scheduled_event_attributes.input.payloads[0].data.count(
+                                 b"request_id") >= 20}
+                return [e for e in events if _scheduled_of(e) in scheduled
+                        and e.event_type != EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED]
+
+            history = await eventually(handle.fetch_history, lambda hist: bool(big_batch_ended(hist.events)),
+                                       timeout=BOUND, interval=0.5, what="a step of 20 requests or more ended")
+            ended = big_batch_ended(history.events)[0]
+            assert ended.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED, ended
+        finally:
+            await transaction.rollback()
+            await locker.close()
+            await handle.terminate("test over")
+
+
+def _scheduled_of(event) -> int | None:
+    for field in ("activity_task_completed_event_attributes", "activity_task_timed_out_event_attributes",
+                  "activity_task_failed_event_attributes", "activity_task_started_event_attributes"):
+        if event.HasField(field):
+            return int(getattr(event, field).scheduled_event_id)
+    return None
