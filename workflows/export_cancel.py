@@ -44,9 +44,11 @@ _BUSY_RETRIES = 5
 _BUSY_RETRY_INTERVAL = timedelta(seconds=2)
 # Temporal's cancel cannot be sent again, so past those tries it is asked again as long as this (patch
 # temporal-cancel-until-recorded), the pause doubling up to the longest: a row locked that long holds its export
-# still too, and a run asking once a minute adds a few events a minute to its history.
-_TEMPORAL_CANCEL_ASKED_FOR = timedelta(days=1)
+# still too, and each ask adds about a dozen events to the run's history (some 4,000 in six hours), which cannot
+# continue as new meanwhile.
+_TEMPORAL_CANCEL_ASKED_FOR = timedelta(hours=6)
 _LONGEST_BUSY_PAUSE = timedelta(minutes=1)
+_LONGEST_BUSY_DOUBLINGS = 5  # 2 s doubled 5 times passes the longest pause: no more (a timedelta has a bound)
 # Temporal's cancel of a run becomes one stop request, the same one however often the cancel is repeated.
 _TEMPORAL_CANCEL = uuid.UUID("5d0c7f3e-5e1b-4c52-9a4b-7d2f3c1e0a11")
 # At most this many Update requests wait to be recorded; past it an Update is refused (send it again), so that a
@@ -139,7 +141,9 @@ class Cancellations:
         if tenant is not None and request.tenant_id != tenant:
             raise ApplicationError("no such export for this tenant: nothing recorded", type="CancelExportNotFound",
                                    non_retryable=True)
-        if _asked(request) not in self._answers and self._updates_waiting >= _MOST_WAITING:
+        kept = self._answers.get(_asked(request))
+        # Only a request answered for good is answered at once; one answered Busy (or whose step failed) waits again.
+        if (kept is None or not _final(kept)) and self._updates_waiting >= _MOST_WAITING:
             raise ApplicationError(f"{_MOST_WAITING} cancellation requests are waiting to be recorded; send it again "
                                    "shortly: nothing recorded", type="CancelRequestsWaiting", non_retryable=True)
 
@@ -299,7 +303,7 @@ class Cancellations:
             return None
         if not workflow.patched(patches.TEMPORAL_CANCEL_UNTIL_RECORDED):
             return None
-        pause: timedelta = _BUSY_RETRY_INTERVAL * 2 ** (tries - _BUSY_RETRIES)
+        pause: timedelta = _BUSY_RETRY_INTERVAL * 2 ** min(tries - _BUSY_RETRIES, _LONGEST_BUSY_DOUBLINGS)
         return min(pause, _LONGEST_BUSY_PAUSE)
 
     async def _again_after_a_pause(self, request: CancelRequest, pause: timedelta) -> None:
