@@ -464,9 +464,13 @@ async def migrate(owner_url: str, revision: str = "head", *, lock_timeout_second
                 raise MigrationLocked(f"another `exports migrate` kept the migration lock for "
                                       f"{MIGRATION_WAIT_SECONDS} s: nothing changed; run it again") from None
             raise
-        sync_conn.exec_driver_sql(f"SET lock_timeout = {int(lock_timeout_seconds * 1000)}")
-        current = MigrationContext.configure(sync_conn).get_current_revision()
-        sync_conn.commit()  # Alembic begins a transaction of each migration only on a connection outside one
+        try:
+            sync_conn.exec_driver_sql(f"SET lock_timeout = {int(lock_timeout_seconds * 1000)}")
+            current = MigrationContext.configure(sync_conn).get_current_revision()
+            sync_conn.commit()  # Alembic begins a transaction of each migration only on a connection outside one
+        except Exception as exc:
+            raise _stopped(exc, lock_timeout_seconds, None, None, "the read of the database's revision",
+                           None) from None
         if current is not None and current not in known_revisions():
             raise UnknownRevision(newer_revision_line(current))
         config = _alembic_config(sync_conn)

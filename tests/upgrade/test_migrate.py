@@ -192,3 +192,20 @@ async def test_the_printed_upgrade_bounds_its_lock_waits_as_exports_migrate_does
         await holder.close()
     assert psql.returncode == 3 and b"lock timeout" in stderr, (psql.returncode, stderr)
     assert await revision(db) == "0009"
+
+
+@pytest.mark.spec("UP1")
+async def test_a_migration_that_cannot_read_the_revision_in_time_says_not_done_nothing_changed(db):
+    """The revision's own read waits for a lock too (a DBA's transaction on alembic_version): past the bound it is
+    the same one line as any lock not had in time, not PostgreSQL's raw error (found by review)."""
+    holder = await db.connect("owner")
+    try:
+        await holder.execute("BEGIN")
+        await holder.execute("LOCK TABLE alembic_version IN ACCESS EXCLUSIVE MODE")
+        blocked = await exports(db, "migrate", migration_lock_timeout_seconds=1)
+    finally:
+        await holder.execute("ROLLBACK")
+        await holder.close()
+    assert blocked.code == 3, blocked
+    assert blocked.stderr.count("\n") == 1 and "waited 1 s for a lock" in blocked.stderr, blocked
+    assert "nothing changed" in blocked.stderr, blocked
