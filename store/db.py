@@ -566,7 +566,7 @@ def migration_sql(from_revision: str | None = None, to_revision: str = "head", *
             command.upgrade(config, target if start is None else f"{start}:{target}", sql=True)
     except CommandError as exc:
         raise ValueError(str(exc)) from None
-    text = _session_preamble(lock_timeout_seconds) + out.getvalue()
+    text = _session_preamble(lock_timeout_seconds, start) + out.getvalue()
     # Inside the script's last transaction, as the online run does it after the migrations.
     body, commit, rest = text.rpartition("COMMIT;")
     if not commit:
@@ -574,8 +574,12 @@ def migration_sql(from_revision: str | None = None, to_revision: str = "head", *
     return f"{body}{GRANT_REVISION_READ};\n\n{commit}{rest}"
 
 
-def _session_preamble(lock_timeout_seconds: float) -> str:
-    """The script's first statements, what `migrate` does on its session before the migrations."""
+def _session_preamble(lock_timeout_seconds: float, start: str | None) -> str:
+    """The script's first statements, what `migrate` does on its session before the migrations: take turns, bound
+    each lock wait, and check that the database is at the revision the script starts from (`start`, None: empty),
+    as `migrate` reads it, so that a script printed for another revision changes nothing."""
+    expected = "NULL" if start is None else f"'{start}'"
+    printed_for = "'(empty)'" if start is None else expected
     return (f"-- One migration at a time, as `exports migrate` takes turns: wait at most {MIGRATION_WAIT_SECONDS} s "
             f"for another.\n"
             f"SET lock_timeout = {int(MIGRATION_WAIT_SECONDS * 1000)};\n"
@@ -583,4 +587,17 @@ def _session_preamble(lock_timeout_seconds: float) -> str:
             f"-- Each lock a migration needs is waited for at most {lock_timeout_seconds:g} s: a DDL statement queued "
             f"behind a long\n-- transaction would hold every statement on its table behind it. Past it, psql stops "
             f"(ON_ERROR_STOP):\n-- run the script again from the revision reached (--from).\n"
-            f"SET lock_timeout = {int(lock_timeout_seconds * 1000)};\n\n")
+            f"SET lock_timeout = {int(lock_timeout_seconds * 1000)};\n"
+            f"-- Written for a database at revision {start or '(empty)'}: at any other, it stops here, changing "
+            f"nothing.\n"
+            f"DO $$ DECLARE found text; BEGIN\n"
+            f"    IF to_regclass('alembic_version') IS NOT NULL THEN\n"
+            f"        EXECUTE 'SELECT max(version_num) FROM alembic_version' INTO found;\n"
+            f"    END IF;\n"
+            f"    IF found IS DISTINCT FROM {expected} THEN\n"
+            f"        RAISE EXCEPTION 'the database is at revision %, and this script was printed for %: print it "
+            f"again with --from %', coalesce(found, '(empty)'), {printed_for}, coalesce(found, '(none)');\n"
+            f"    END IF;\n"
+            f"END $$;\n\n")
+
+

@@ -209,3 +209,30 @@ async def test_a_migration_that_cannot_read_the_revision_in_time_says_not_done_n
     assert blocked.code == 3, blocked
     assert blocked.stderr.count("\n") == 1 and "waited 1 s for a lock" in blocked.stderr, blocked
     assert "nothing changed" in blocked.stderr, blocked
+
+
+@pytest.mark.spec("UP1")
+async def test_a_printed_script_applied_to_a_database_at_another_revision_changes_nothing(db):
+    """Printed --from 0017 and applied where the database is at 0015 (a DBA's slip): it applied 0018 to 0020 onto
+    0015's schema, its revision updates matched nothing, and the database was left at 0015 with later objects in
+    it, which the next `exports migrate` then collided with. It now checks the revision first and stops."""
+    down = await exports(db, "migrate", "--to", "0015")
+    assert down.code == 0, down
+    script = migration_sql("0017")
+    dsn = asyncpg_dsn(db.url("owner")).replace("postgresql+asyncpg://", "postgresql://")
+    psql = await asyncio.create_subprocess_exec(
+        str(LocalPostgres.program("psql")), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", dsn, "-f", "-",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PGCONNECT_TIMEOUT": "10"})
+    try:
+        _, stderr = await asyncio.wait_for(psql.communicate(script.encode()), 30)
+    finally:
+        if psql.returncode is None:
+            psql.kill()
+            await psql.wait()
+    assert psql.returncode == 3, (psql.returncode, stderr)
+    assert b"the database is at revision 0015, and this script was printed for 0017" in stderr, stderr
+    assert await revision(db) == "0015"
+    assert not await db.admin.fetchval("SELECT to_regclass('partner_session_waits') IS NOT NULL")
+    ran = await exports(db, "migrate")
+    assert ran.code == 0, ran
