@@ -515,8 +515,5 @@ def _authorization_in(row: dict[str, Any] | None, attempt_id: UUID, holder: str 
         return AuthorizationResult.STOP_RECORDED
     if row["original_status"] == Status.COMPLETED:
         return AuthorizationResult.ORIGINAL_COMPLETED
-    if row["run_moved_on"]:
-        # The run gave the step up and waits on the attempt: none of its steps is the run's any more.
-        return AuthorizationResult.NOT_OWNER
     # Expired, or renewed between the refusal and this read: either way, renew and retry once.
     return AuthorizationResult.LEASE_LAPSED

@@ -2,10 +2,8 @@
 -- a current lease, which it renews, so the upload starts with a full one; for a replacement, also only while its
 -- original is not Completed. FOR SHARE makes a correction of the original and this statement wait for each
 -- other, whichever commits first. :not_after is the step's own bound: a step that reaches the database after it
--- (its worker was paused, and the run has moved on) authorizes nothing. Nor does one whose run has read the row
--- since and waits on this attempt (run_waits_on_attempt.sql): Temporal gave the step up, which the step cannot
--- always know (its heartbeats, sent on time, may have reached no server), and the run schedules no delivery of it.
--- It opens the attempt's rename fence (pass_rename_fence.sql).
+-- (its worker was paused, and the run has moved on) authorizes nothing. It opens the attempt's rename fence
+-- (pass_rename_fence.sql).
 WITH original_open AS (
     SELECT 1 FROM export_jobs
     WHERE tenant_id = :tenant_id AND id = CAST(:replaces_job_id AS uuid) AND status <> 'Completed'
@@ -19,7 +17,6 @@ authorized AS (
     WHERE id = :job_id AND attempt_id = :attempt_id AND status = 'Running'
       AND claimed_by = coalesce(CAST(:holder AS text), claimed_by)
       AND stop_request_id IS NULL
-      AND run_waits_for IS DISTINCT FROM attempt_id
       AND lease_expires_at > clock_timestamp()
       AND clock_timestamp() < coalesce(CAST(:not_after AS timestamptz), 'infinity')
       AND (CAST(:replaces_job_id AS uuid) IS NULL OR EXISTS (SELECT 1 FROM original_open))

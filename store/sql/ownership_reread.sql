@@ -1,9 +1,8 @@
 -- State and ownership read together: whether an uncertain claim, cutoff 2 or rename fence committed, and why
--- cutoff 2 was refused (run_moved_on: the run read the row since, and waits on this attempt). The version tells an uncertain claim whether the row is still as it checked it.
+-- cutoff 2 was refused. The version tells an uncertain claim whether the row is still as it checked it.
 SELECT j.status, j.attempt_id, j.claimed_by, j.version, j.stop_request_id IS NOT NULL AS stop_recorded,
        j.rename_fence,
        j.lease_expires_at > clock_timestamp() AS lease_current,
-       coalesce(j.run_waits_for = j.attempt_id, false) AS run_moved_on,
        o.status AS original_status
 FROM export_jobs j
 LEFT JOIN export_jobs o ON o.tenant_id = j.tenant_id AND o.id = j.replaces_job_id

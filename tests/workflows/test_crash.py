@@ -554,42 +554,6 @@ async def test_a_cutoff_2_step_that_starts_after_its_bound_authorizes_nothing(cr
     assert outbound_names(h.partner) == [row.final_name]
 
 
-async def _authorized_or_handed_back(h: Harness, job_id: uuid.UUID, attempt: uuid.UUID) -> str | None:
-    if any(e["kind"] == "DeliveryAuthorized" and e["attempt_id"] == attempt for e in await events(h.db, job_id)):
-        return "authorized"
-    row = await h.db.admin.fetchrow("SELECT attempt_id, lease_expires_at < clock_timestamp() AS lapsed "
-                                    "FROM export_jobs WHERE id = $1", job_id)
-    return "handed back" if row["attempt_id"] != attempt or row["lapsed"] else None
-
-
-@pytest.mark.spec("LV5")
-async def test_a_cutoff_2_given_up_by_temporal_while_its_worker_is_cut_off_from_it_authorizes_nothing(crash_harness):
-    """The worker at cutoff 2 is cut off from Temporal, not from PostgreSQL or the partner (as one waiting there for
-    an upload slot or a partner session may be). Temporal gives the step up (heartbeat timeout) and the run reads the
-    row again. The step's own bound counts the heartbeats it sent, all on time though none reached the server, so
-    it looked current, and cutoff 2 committed for an attempt nobody would deliver: its keeper held the lease, the
-    upload slot and the partner session a hand-over window more (found by review). The run's read marks the row it
-    waits on, and cutoff 2 refuses such a row: the step authorizes nothing and hands the attempt back."""
-    h = crash_harness
-    async with processes(h) as started, TcpCutProxy(*temporal_upstream(h.client)) as temporal:
-        job_id = await held_with_temporal_down(h, started, temporal, checkpoints.BEFORE_CUTOFF_2)
-        first = (await h.store.read_job(job_id)).attempt_id
-        try:
-            await eventually(lambda: activity_runs(h, job_id),
-                             lambda runs: [r.outcome for r in named(runs, "authorize_delivery")] == ["timed_out"]
-                             and runs[-1].name == "claim_if_allowed" and runs[-1].outcome == "completed",
-                             timeout=60, interval=0.2, what="cutoff 2 given up by Temporal and the row read again")
-            assert (await h.store.read_job(job_id)).run_waits_for == first  # the run's mark, before the step goes on
-            release_held(h.settings, checkpoints.BEFORE_CUTOFF_2, job_id)
-            verdict = await eventually(lambda: _authorized_or_handed_back(h, job_id, first), lambda v: v is not None,
-                                       timeout=30, interval=0.1, what="the late cutoff 2's answer")
-        finally:
-            release_held(h.settings, checkpoints.BEFORE_CUTOFF_2, job_id)
-            temporal.heal()
-    late = [e["kind"] for e in await events(h.db, job_id) if e["attempt_id"] == first]
-    assert verdict == "handed back" and "DeliveryAuthorized" not in late, (verdict, late)
-
-
 # --- LR3 / LR4: the claim's response lost, and the re-read failing too ----------------------------------------------
 
 
