@@ -226,3 +226,24 @@ async def test_a_role_whose_database_does_not_answer_waits_while_the_others_are_
         assert checked.problems == [] and [role.name for role in checked.waiting] == ["exports_dispatcher"], checked
         pg.accept_new_connections()
         assert await preflight.check_database(settings, checked.waiting) == preflight.DatabaseCheck([])
+
+
+@pytest.mark.spec("UP4")
+@pytest.mark.parametrize("how", ["the owner's URL", "exports_app BYPASSRLS"])
+async def test_a_worker_whose_application_login_passes_every_rule_is_refused_with_one_line(db, how):
+    """The grants' check accepts any login that holds at least the role's privileges: the tables' owner (exempt
+    from the transition rules) or exports_app given BYPASSRLS after roles.sql (past the event-kind policies) started
+    a worker that the database enforced nothing on (found by review)."""
+    if how == "the owner's URL":
+        settings = db.settings(database_url=db.url("owner"))
+    else:
+        settings = db.settings()
+        await db.admin.execute("ALTER ROLE exports_app BYPASSRLS")
+    try:
+        checked = await preflight.check_database(settings)
+    finally:
+        await db.admin.execute("ALTER ROLE exports_app NOBYPASSRLS")
+    assert len(checked.problems) == 1, checked
+    line = checked.problems[0]
+    assert "(EXPORTS_DATABASE_URL)" in line and "the database's rules would not hold for it" in line, line
+    assert ("owns the tables" if how == "the owner's URL" else "has BYPASSRLS") in line, line
