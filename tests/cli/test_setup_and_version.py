@@ -87,8 +87,9 @@ async def test_migrate_to_the_previous_revision_and_back(db, tmp_path):
     settings = db.settings()
 
     async def head_migration_in_place() -> bool:
-        """Whether the head's migration is in place (0020: the waiters for a partner's sessions)."""
-        return await db.admin.fetchval("SELECT to_regclass('partner_session_waits') IS NOT NULL")
+        """Whether the head's migration is in place (0021: a new export's rule names the hand-back count)."""
+        return "handed_back_count" in await db.admin.fetchval(
+            "SELECT pg_get_functiondef('exports_new_job_is_queued_with_its_wakeup'::regproc)")
 
     down = await exports_command(settings, "migrate", "--to", PREVIOUS, cwd=tmp_path)
     assert down.code == 0 and f"at {PREVIOUS} (was {head_revision()})" in down.stdout, down

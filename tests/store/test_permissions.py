@@ -488,3 +488,70 @@ async def test_app_role_cannot_insert_a_settled_job_or_one_without_its_wakeup(db
     refusal = await refused(app, *steps)
     assert "GR1" in str(refusal) and "born" not in str(refusal)
     assert await db.admin.fetchval("SELECT count(*) FROM export_jobs WHERE id = $1", job_id) == 0
+
+
+async def _committed_or_refused(conn: asyncpg.Connection, *steps: tuple) -> asyncpg.PostgresError | None:
+    """The steps in one transaction: the database's refusal, or None when it committed them."""
+    try:
+        async with conn.transaction():
+            for sql, *args in steps:
+                await conn.execute(sql, *args)
+    except asyncpg.PostgresError as exc:
+        return exc
+    return None
+
+
+_BORN_WITH = {
+    "rename fence passed": ("rename_fence", "passed"),
+    "hand-backs at the cap": ("handed_back_count", 3),
+    "a counted hand-back": ("handed_back_attempt", uuid.UUID(int=1)),
+    "a run waiting on an attempt": ("run_waits_for", uuid.UUID(int=2)),
+}
+
+
+@pytest.mark.spec("GR1")
+@pytest.mark.parametrize("case", list(_BORN_WITH))
+async def test_a_new_export_is_born_with_nothing_of_an_attempt_including_the_columns_of_0010_to_0018(
+        db, tenant, app, case):
+    """The creation rule listed 0001's columns only: the application could create an export whose hand-back count
+    already stood at the cap, which recovery would end AttemptsExhausted at its first hand-back (found by review;
+    migration 0021)."""
+    column, value = _BORN_WITH[case]
+    tenant_id, destination_id = tenant
+    job_id, key = uuid.uuid4(), f"k{uuid.uuid4().hex[:12]}"
+    refusal = await _committed_or_refused(
+        app,
+        ("INSERT INTO deliveries (tenant_id, delivery_key, original_job_id) VALUES ($1, $2, $3)",
+         tenant_id, key, job_id),
+        (f"INSERT INTO export_jobs (id, tenant_id, status, version, destination_id, delivery_key, final_name, "
+         f"created_by, woken_at, {column}) VALUES ($1, $2, 'Queued', 1, $3, $4, $5, 'intruder', clock_timestamp(), "
+         f"$6)", job_id, tenant_id, destination_id, key, f"contacts-{tenant_id}-{key}.csv", value),
+        ("INSERT INTO outbox (message_id, kind, job_id, created_at) "
+         "VALUES (gen_random_uuid(), 'ExportReady', $1, clock_timestamp())", job_id))
+    assert await db.admin.fetchval("SELECT count(*) FROM export_jobs WHERE id = $1", job_id) == 0
+    assert isinstance(refusal, asyncpg.InsufficientPrivilegeError) and str(refusal).startswith("GR1"), refusal
+
+
+_QUEUED_EDITS = {
+    "hand-back count put back to 0": "SET handed_back_count = 0",
+    "counted hand-back forgotten": "SET handed_back_attempt = NULL",
+    "waiting mark forged": "SET run_waits_for = gen_random_uuid()",
+}
+
+
+@pytest.mark.spec("GR1")
+@pytest.mark.parametrize("case", list(_QUEUED_EDITS))
+async def test_a_queued_rows_own_edits_leave_its_hand_backs_and_waiting_mark_alone(db, store, tenant, app, case):
+    """A queued row's unchecked edits change only destination_id, version, woken_at and sweep_count: the check
+    knew 0010's fence but not 0013's count, 0017's mark or 0018's hand-back, so the application could put the
+    hand-back count back to 0, undoing its cap, with no event (found by review; migration 0021)."""
+    tenant_id, destination_id = tenant
+    job_id = await create_job(store, tenant_id, destination_id)
+    # As the owner: the export's attempts were handed back twice, then taken back, so it is Queued with its count.
+    await db.admin.execute("UPDATE export_jobs SET handed_back_count = 2, handed_back_attempt = $2 WHERE id = $1",
+                           job_id, uuid.uuid4())
+    columns = "status, handed_back_count, handed_back_attempt, run_waits_for"
+    before = await db.admin.fetchrow(f"SELECT {columns} FROM export_jobs WHERE id = $1", job_id)
+    refusal = await _committed_or_refused(app, (f"UPDATE export_jobs {_QUEUED_EDITS[case]} WHERE id = $1", job_id))
+    assert await db.admin.fetchrow(f"SELECT {columns} FROM export_jobs WHERE id = $1", job_id) == before
+    assert isinstance(refusal, asyncpg.InsufficientPrivilegeError), refusal
