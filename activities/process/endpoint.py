@@ -38,6 +38,7 @@ log = logging.getLogger("activities.endpoint")
 
 _REQUEST_TIMEOUT_SECONDS = 5.0
 _SDK_SCRAPE_TIMEOUT_SECONDS = 2.0
+_CLOSE_SECONDS = 2.0  # how long the exit waits for the gauges' reader to end once cancelled
 _MAX_REQUEST_LINE = 8192
 
 
@@ -144,7 +145,8 @@ class Observing:
     async def close(self) -> None:
         for task in self.tasks:
             task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.tasks:  # bounded: the gauges' reader must never hold up the exit
+            await asyncio.wait(self.tasks, timeout=_CLOSE_SECONDS)
         if self.server is not None:
             self.server.close()
             try:

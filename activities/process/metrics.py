@@ -178,7 +178,8 @@ async def read_store_gauges(dsn: str) -> None:
     try:
         row = await conn.fetchrow(STORE_GAUGES_SQL, timeout=_READ_TIMEOUT_SECONDS)
     finally:
-        await asyncio.wait_for(conn.close(), _READ_TIMEOUT_SECONDS)
+        async with asyncio.timeout(_READ_TIMEOUT_SECONDS):  # see keep_reading_store_gauges: not wait_for
+            await conn.close()
     if row is None:  # an aggregate query answers one row: this is only for the type
         raise RuntimeError("the gauges query returned no row")
     OUTBOX_BACKLOG.set(row["backlog"])
@@ -193,7 +194,10 @@ async def keep_reading_store_gauges(dsn: str, every: float) -> None:
     """Until cancelled. Never raises: metrics must never take the worker down."""
     while True:
         try:
-            await asyncio.wait_for(read_store_gauges(dsn), 2 * _READ_TIMEOUT_SECONDS + 1)
+            # Not asyncio.wait_for: on Python 3.11 a cancel that comes as the read ends is lost there, and this
+            # loop went on to sleep, holding up whoever waited for it to end (the worker's exit, a test's close).
+            async with asyncio.timeout(2 * _READ_TIMEOUT_SECONDS + 1):
+                await read_store_gauges(dsn)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - logged and counted; the gauges keep their last values
