@@ -1,6 +1,6 @@
 """The gauges' reader ends when cancelled, even as a read ends: on Python 3.11, asyncio.wait_for loses a cancel that
-comes as the awaited read completes, and the reader went on to its next sleep (30 s by default, a minute in that test), holding up
-the worker's exit (a test's close timed out at 120 s in CI)."""
+comes as the awaited read completes, and the reader went on to its next sleep (30 s by default, a minute in the
+probes' test), holding up the worker's exit (a test's close timed out at 120 s in CI)."""
 
 from __future__ import annotations
 
