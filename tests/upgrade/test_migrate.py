@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import asyncpg
@@ -19,20 +21,43 @@ async def exports(db, *args: str, **overrides: object) -> Ran:
     return await exports_command(db.settings(**overrides), *args, cwd=Path(__file__).parent)
 
 
+@asynccontextmanager
+async def held(db, table: str, mode: str) -> AsyncIterator[None]:
+    """`table` locked in `mode` by another session's open transaction (a long transaction, a create in flight)."""
+    holder = await db.connect("owner")
+    try:
+        await holder.execute("BEGIN")
+        await holder.execute(f"LOCK TABLE {table} IN {mode} MODE")
+        yield
+    finally:
+        await holder.execute("ROLLBACK")
+        await holder.close()
+
+
+async def applied_with_psql(db, script: str) -> tuple[int | None, bytes]:
+    """The script applied as a DBA would, with psql stopping at the first error: its exit status and stderr."""
+    dsn = asyncpg_dsn(db.url("owner")).replace("postgresql+asyncpg://", "postgresql://")
+    psql = await asyncio.create_subprocess_exec(
+        str(LocalPostgres.program("psql")), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", dsn, "-f", "-",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PGCONNECT_TIMEOUT": "10"})
+    try:
+        _, stderr = await asyncio.wait_for(psql.communicate(script.encode()), 30)
+    finally:
+        if psql.returncode is None:
+            psql.kill()
+            await psql.wait()
+    return psql.returncode, stderr
+
+
 @pytest.mark.spec("UP1")
 async def test_migrate__a_lock_held_elsewhere_is_waited_for_a_bound_then_nothing_changed(db):
     """export_jobs held by a long transaction (a row locked FOR UPDATE): the migration that alters the table waits
     its bound, rolls back and says so (exit 3, nothing changed); once the lock is gone, the same command migrates."""
     ran = await exports(db, "migrate", "--to", "0006")
     assert ran.code == 0, ran
-    holder = await db.connect("owner")
-    try:
-        await holder.execute("BEGIN")
-        await holder.execute("LOCK TABLE export_jobs IN ROW SHARE MODE")  # what SELECT ... FOR UPDATE holds
+    async with held(db, "export_jobs", "ROW SHARE"):  # what SELECT ... FOR UPDATE holds
         blocked = await exports(db, "migrate", migration_lock_timeout_seconds=1)
-    finally:
-        await holder.execute("ROLLBACK")
-        await holder.close()
     assert blocked.code == 3, blocked
     assert blocked.stderr.count("\n") == 1 and "waited 1 s for a lock" in blocked.stderr, blocked
     assert blocked.seconds < 20, blocked
@@ -57,21 +82,17 @@ async def test_an_upgrade_holds_each_tables_lock_only_while_its_own_migration_ru
     job = await create_job(store, tenant, destination)
     down = await exports(db, "migrate", "--to", "0007")
     assert down.code == 0, down
-    holder = await db.connect("owner")  # a create in flight: it has inserted into the outbox, not committed
-    await holder.execute("BEGIN")
-    await holder.execute("LOCK TABLE outbox IN ROW EXCLUSIVE MODE")
-    migrating = asyncio.create_task(exports(db, "migrate", migration_lock_timeout_seconds=20))
     reader = await asyncpg.connect(db.url("app").replace("postgresql+asyncpg://", "postgresql://"))
     try:
-        await eventually(lambda: _waits_for_the_outbox(db), bool, timeout=20, what="0019 waiting for the outbox")
-        await reader.execute("SET statement_timeout = '1s'")
-        status = await reader.fetchval("SELECT status FROM export_jobs WHERE id = $1", job)
-        reached = await reader.fetchval("SELECT version_num FROM alembic_version")
+        async with held(db, "outbox", "ROW EXCLUSIVE"):  # a create in flight: it has inserted, not committed
+            migrating = asyncio.create_task(exports(db, "migrate", migration_lock_timeout_seconds=20))
+            await eventually(lambda: _waits_for_the_outbox(db), bool, timeout=20, what="0019 waiting for the outbox")
+            await reader.execute("SET statement_timeout = '1s'")
+            status = await reader.fetchval("SELECT status FROM export_jobs WHERE id = $1", job)
+            reached = await reader.fetchval("SELECT version_num FROM alembic_version")
     finally:
-        await holder.execute("ROLLBACK")
-        await holder.close()
         await reader.close()
-        ran = await migrating
+    ran = await migrating
     assert (status, reached) == ("Queued", "0018")
     assert ran.code == 0, ran
     assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == "0021"
@@ -83,14 +104,8 @@ async def test_an_upgrade_that_gives_up_on_a_lock_keeps_the_migrations_before_it
     revision the database is at, and the same command then goes on from there."""
     down = await exports(db, "migrate", "--to", "0007")
     assert down.code == 0, down
-    holder = await db.connect("owner")
-    try:
-        await holder.execute("BEGIN")
-        await holder.execute("LOCK TABLE outbox IN ROW EXCLUSIVE MODE")
+    async with held(db, "outbox", "ROW EXCLUSIVE"):
         blocked = await exports(db, "migrate", migration_lock_timeout_seconds=1)
-    finally:
-        await holder.execute("ROLLBACK")
-        await holder.close()
     assert blocked.code == 3, blocked
     assert blocked.stderr.count("\n") == 1 and "waited 1 s for a lock" in blocked.stderr, blocked
     assert "at revision 0018 (from 0007)" in blocked.stderr, blocked
@@ -145,19 +160,12 @@ async def test_a_migration_whose_connection_is_lost_midway_says_the_revision_rea
     (found by review)."""
     down = await exports(db, "migrate", "--to", "0007")
     assert down.code == 0, down
-    holder = await db.connect("owner")
-    async with fault_proxy(pg_server) as proxy:
-        try:
-            await holder.execute("BEGIN")
-            await holder.execute("LOCK TABLE outbox IN ROW EXCLUSIVE MODE")
-            migrating = asyncio.create_task(exports(
-                db, "migrate", migration_lock_timeout_seconds=30, owner_database_url=proxy.url("postgres", db.name)))
-            await eventually(lambda: _waits_for_the_outbox(db), bool, timeout=30, what="0019 waiting for the outbox")
-            proxy.cut_all()
-            ran = await asyncio.wait_for(migrating, 60)
-        finally:
-            await holder.execute("ROLLBACK")
-            await holder.close()
+    async with fault_proxy(pg_server) as proxy, held(db, "outbox", "ROW EXCLUSIVE"):
+        migrating = asyncio.create_task(exports(
+            db, "migrate", migration_lock_timeout_seconds=30, owner_database_url=proxy.url("postgres", db.name)))
+        await eventually(lambda: _waits_for_the_outbox(db), bool, timeout=30, what="0019 waiting for the outbox")
+        proxy.cut_all()
+        ran = await asyncio.wait_for(migrating, 60)
     assert ran.code == 5, ran
     assert ran.stderr.startswith("unreachable: the connection to PostgreSQL was lost during the migration to 0019"), ran
     assert "at revision 0018 (from 0007)" in ran.stderr and "exports show" not in ran.stderr, ran
@@ -173,24 +181,9 @@ async def test_the_printed_upgrade_bounds_its_lock_waits_as_exports_migrate_does
     down = await exports(db, "migrate", "--to", "0009")
     assert down.code == 0, down
     script = migration_sql("0009", lock_timeout_seconds=1)
-    holder = await db.connect("owner")
-    dsn = asyncpg_dsn(db.url("owner")).replace("postgresql+asyncpg://", "postgresql://")
-    psql = None
-    try:
-        await holder.execute("BEGIN")
-        await holder.execute("LOCK TABLE export_jobs IN ROW SHARE MODE")
-        psql = await asyncio.create_subprocess_exec(
-            str(LocalPostgres.program("psql")), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", dsn, "-f", "-",
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, "PGCONNECT_TIMEOUT": "10"})
-        _, stderr = await asyncio.wait_for(psql.communicate(script.encode()), 30)
-    finally:
-        if psql is not None and psql.returncode is None:
-            psql.kill()
-            await psql.wait()
-        await holder.execute("ROLLBACK")
-        await holder.close()
-    assert psql.returncode == 3 and b"lock timeout" in stderr, (psql.returncode, stderr)
+    async with held(db, "export_jobs", "ROW SHARE"):
+        code, stderr = await applied_with_psql(db, script)
+    assert code == 3 and b"lock timeout" in stderr, (code, stderr)
     assert await revision(db) == "0009"
 
 
@@ -198,14 +191,8 @@ async def test_the_printed_upgrade_bounds_its_lock_waits_as_exports_migrate_does
 async def test_a_migration_that_cannot_read_the_revision_in_time_says_not_done_nothing_changed(db):
     """The revision's own read waits for a lock too (a DBA's transaction on alembic_version): past the bound it is
     the same one line as any lock not had in time, not PostgreSQL's raw error (found by review)."""
-    holder = await db.connect("owner")
-    try:
-        await holder.execute("BEGIN")
-        await holder.execute("LOCK TABLE alembic_version IN ACCESS EXCLUSIVE MODE")
+    async with held(db, "alembic_version", "ACCESS EXCLUSIVE"):
         blocked = await exports(db, "migrate", migration_lock_timeout_seconds=1)
-    finally:
-        await holder.execute("ROLLBACK")
-        await holder.close()
     assert blocked.code == 3, blocked
     assert blocked.stderr.count("\n") == 1 and "waited 1 s for a lock" in blocked.stderr, blocked
     assert "nothing changed" in blocked.stderr, blocked
@@ -219,18 +206,8 @@ async def test_a_printed_script_applied_to_a_database_at_another_revision_change
     down = await exports(db, "migrate", "--to", "0015")
     assert down.code == 0, down
     script = migration_sql("0017")
-    dsn = asyncpg_dsn(db.url("owner")).replace("postgresql+asyncpg://", "postgresql://")
-    psql = await asyncio.create_subprocess_exec(
-        str(LocalPostgres.program("psql")), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", dsn, "-f", "-",
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PGCONNECT_TIMEOUT": "10"})
-    try:
-        _, stderr = await asyncio.wait_for(psql.communicate(script.encode()), 30)
-    finally:
-        if psql.returncode is None:
-            psql.kill()
-            await psql.wait()
-    assert psql.returncode == 3, (psql.returncode, stderr)
+    code, stderr = await applied_with_psql(db, script)
+    assert code == 3, (code, stderr)
     assert b"the database is at revision 0015, and this script was printed for 0017" in stderr, stderr
     assert await revision(db) == "0015"
     assert not await db.admin.fetchval("SELECT to_regclass('partner_session_waits') IS NOT NULL")

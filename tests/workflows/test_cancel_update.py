@@ -26,13 +26,14 @@ from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import PatchActivationInput
 
 from activities.contracts import ExportInput, ExportResult
+from store.db import asyncpg_dsn
 from store.models import CancellationResult, Status
 from store.settings import Settings
 from tests.helpers.crash import crash_world, processes, start_worker
 from tests.helpers.harness import Harness, open_harness
 from tests.helpers.own_temporal import own_server, spend_signal_quota
 from tests.helpers.store_states import drive
-from tests.helpers.support import EXPORTS, eventually
+from tests.helpers.support import EXPORTS, eventually, lock_row, unlock_row
 from workflows import patches
 from workflows.identity import export_workflow_id
 
@@ -413,22 +414,19 @@ async def test_a_cancel_update_retried_with_its_request_id_after_busy_is_asked_o
         h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False, early_patches=EARLY,
                                lock_timeout_ms=200)
         job_id, handle = await _waiting_run(h)
-        locker = await h.db.connect("owner")
+        locker = await lock_row(asyncpg_dsn(h.db.url("owner")), job_id)
         try:
-            transaction = locker.transaction()
-            await transaction.start()
-            await locker.execute("SELECT 1 FROM export_jobs WHERE id = $1 FOR UPDATE", job_id)
             request_id = uuid.uuid4()
             first = await asyncio.wait_for(
                 handle.execute_update("cancel", _request(h, request_id), result_type=CancellationResult), BOUND)
             assert first.outcome.value == "Busy", first
-            await transaction.rollback()
+            await unlock_row(locker)
             again = await asyncio.wait_for(
                 handle.execute_update("cancel", _request(h, request_id), result_type=CancellationResult), BOUND)
             assert again.outcome.value == "StopRequested", again
             assert (await h.store.read_job(job_id)).stop_request_id == request_id
         finally:
-            await locker.close()
+            await unlock_row(locker)
             await handle.terminate("test over")
 
 
@@ -444,11 +442,8 @@ async def test_a_batch_of_cancel_requests_meeting_a_locked_row_is_answered_busy_
         h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False, early_patches=EARLY,
                                lock_timeout_ms=1000)
         job_id, handle = await _waiting_run(h)
-        locker = await h.db.connect("owner")
+        locker = await lock_row(asyncpg_dsn(h.db.url("owner")), job_id)
         try:
-            transaction = locker.transaction()
-            await transaction.start()
-            await locker.execute("SELECT 1 FROM export_jobs WHERE id = $1 FOR UPDATE", job_id)
             first = _request(h)
             await handle.signal("cancel", first)  # its step waits for the lock while the others come
             for _ in range(40):
@@ -468,8 +463,7 @@ async def test_a_batch_of_cancel_requests_meeting_a_locked_row_is_answered_busy_
             ended = big_batch_ended(history.events)[0]
             assert ended.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED, ended
         finally:
-            await transaction.rollback()
-            await locker.close()
+            await unlock_row(locker)
             await handle.terminate("test over")
 
 

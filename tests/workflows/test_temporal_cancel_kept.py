@@ -12,9 +12,10 @@ from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.workflowservice.v1 import RequestCancelWorkflowExecutionRequest
 
+from store.db import asyncpg_dsn
 from store.models import Status
 from tests.helpers.harness import open_harness
-from tests.helpers.support import eventually
+from tests.helpers.support import eventually, lock_row, unlock_row
 from tests.workflows.test_cancel_update import _waiting_run
 from workflows import patches
 
@@ -63,11 +64,8 @@ async def test_temporal_cancel_that_finds_the_row_locked_past_its_tries_is_asked
     async with AsyncExitStack() as stack:
         h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False, lock_timeout_ms=200, **extra)
         job_id, handle = await _waiting_run(h)  # Running; the run has read its row
-        locker = await h.db.connect("owner")
+        locker = await lock_row(asyncpg_dsn(h.db.url("owner")), job_id)
         try:
-            transaction = locker.transaction()
-            await transaction.start()
-            await locker.execute("SELECT 1 FROM export_jobs WHERE id = $1 FOR UPDATE", job_id)
             await handle.cancel()
             if early:  # past the five tries, the branch's own
                 await eventually(lambda: _asks(handle), lambda n: n >= 7, timeout=BOUND, interval=0.5,
@@ -76,7 +74,7 @@ async def test_temporal_cancel_that_finds_the_row_locked_past_its_tries_is_asked
                 await eventually(lambda: handle.query("rejected_signals"),
                                  lambda said: any("stayed busy" in line for line in said), timeout=BOUND,
                                  interval=0.5, what="Temporal's cancel given up as Busy")
-            await transaction.rollback()  # the row is free again
+            await unlock_row(locker)  # the row is free again
             if early:
                 row = await eventually(lambda: h.store.read_job(job_id), lambda r: r.stop_request_id is not None,
                                        timeout=BOUND, interval=0.5, what="Temporal's cancel recorded")
@@ -91,5 +89,5 @@ async def test_temporal_cancel_that_finds_the_row_locked_past_its_tries_is_asked
                          for e in history.events)
             assert marked is early
         finally:
-            await locker.close()
+            await unlock_row(locker)
             await handle.terminate("test over")
