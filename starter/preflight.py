@@ -344,6 +344,11 @@ async def _bypass_problems(conn: asyncpg.Connection, role: Role) -> list[str]:
             f"hold for it; connect as {role.name}, or a login that is a member of it and none of these"]
 
 
+async def _role_problems(conn: asyncpg.Connection, role: Role) -> list[str]:
+    """What the role's own connection lacks, or has too much of; one query at a time (one connection)."""
+    return [*await _privilege_problems(conn, role), *await _bypass_problems(conn, role)]
+
+
 async def _revision_problems(conn: asyncpg.Connection, role: Role) -> list[str]:
     head = head_revision()
     try:
@@ -413,9 +418,8 @@ async def check_database(settings: Settings, roles: tuple[Role, ...] | None = No
         try:
             problems = await _revision_problems(connected[app], app) if app is not None else []
             if not problems:
-                found = await asyncio.gather(*(_privilege_problems(conn, role) for role, conn in connected.items()))
-                bypassing = [await _bypass_problems(conn, role) for role, conn in connected.items()]
-                problems = [line for lines in (*found, *bypassing) for line in lines]
+                found = await asyncio.gather(*(_role_problems(conn, role) for role, conn in connected.items()))
+                problems = [line for lines in found for line in lines]
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
             if errors.is_transient(exc):
                 return DatabaseCheck([], waiting=roles, reasons=(

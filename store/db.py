@@ -428,6 +428,13 @@ async def database_revision(conn: asyncpg.Connection) -> str | None:
 MIGRATION_LOCK_KEY = int.from_bytes(b"xmigrate", "big") & 0x7FFF_FFFF_FFFF_FFFF
 # How long a migration waits for another to finish before it gives up (MigrationLocked; run it again).
 MIGRATION_WAIT_SECONDS = 300
+# The session's turn among migrations (online and in the printed script alike).
+TAKE_TURN = f"SELECT pg_advisory_lock({MIGRATION_LOCK_KEY})"
+
+
+def _lock_timeout(seconds: float) -> str:
+    """The session's bound on each lock wait."""
+    return f"SET lock_timeout = {int(seconds * 1000)}"
 
 
 async def migrate(owner_url: str, revision: str = "head", *, lock_timeout_seconds: float = 10.0,
@@ -456,16 +463,16 @@ async def migrate(owner_url: str, revision: str = "head", *, lock_timeout_second
         # anything another session waits for, then find nothing to apply. Without it, two at once collided on
         # the same DDL and the later failed. The session holds it across the migrations' transactions; closing
         # the session (the engine's dispose, below) gives it back however the run ends.
-        sync_conn.exec_driver_sql(f"SET lock_timeout = {int(MIGRATION_WAIT_SECONDS * 1000)}")
+        sync_conn.exec_driver_sql(_lock_timeout(MIGRATION_WAIT_SECONDS))
         try:
-            sync_conn.exec_driver_sql(f"SELECT pg_advisory_lock({MIGRATION_LOCK_KEY})")
+            sync_conn.exec_driver_sql(TAKE_TURN)
         except Exception as exc:
             if errors.is_lock_timeout(exc):
                 raise MigrationLocked(f"another `exports migrate` kept the migration lock for "
                                       f"{MIGRATION_WAIT_SECONDS} s: nothing changed; run it again") from None
             raise
         try:
-            sync_conn.exec_driver_sql(f"SET lock_timeout = {int(lock_timeout_seconds * 1000)}")
+            sync_conn.exec_driver_sql(_lock_timeout(lock_timeout_seconds))
             current = MigrationContext.configure(sync_conn).get_current_revision()
             sync_conn.commit()  # Alembic begins a transaction of each migration only on a connection outside one
         except Exception as exc:
@@ -517,11 +524,6 @@ def _upgrade_path(current: str | None, target: str) -> list[str]:
             if script.revision != current]
 
 
-def _waited(lock_timeout_seconds: float) -> str:
-    return (f"the migration waited {lock_timeout_seconds:g} s for a lock that another session holds (a long "
-            f"transaction, or a statement of a running worker) and rolled back")
-
-
 def _stopped(exc: Exception, lock_timeout_seconds: float, before: str | None, reached: str | None, failed: str,
              failed_revision: str | None) -> Exception:
     """What a migration run that failed part way says: why, and the revision the database is at. An upgrade keeps
@@ -531,7 +533,9 @@ def _stopped(exc: Exception, lock_timeout_seconds: float, before: str | None, re
     else:
         kept = f"the migrations before it are kept: the database is at revision {reached} (from {before or 'empty'})"
     if errors.is_lock_timeout(exc):
-        return MigrationLocked(f"{_waited(lock_timeout_seconds)}; {kept}; run it again")
+        return MigrationLocked(f"the migration waited {lock_timeout_seconds:g} s for a lock that another session holds "
+                               f"(a long transaction, or a statement of a running worker) and rolled back; {kept}; "
+                               f"run it again")
     if errors.is_uncertain(exc):
         # Its commit may have been the statement in flight: only the database knows, and a run again reads it.
         went = (f", unless it was committing as the connection went (then at {failed_revision})"
@@ -582,12 +586,12 @@ def _session_preamble(lock_timeout_seconds: float, start: str | None) -> str:
     printed_for = "'(empty)'" if start is None else expected
     return (f"-- One migration at a time, as `exports migrate` takes turns: wait at most {MIGRATION_WAIT_SECONDS} s "
             f"for another.\n"
-            f"SET lock_timeout = {int(MIGRATION_WAIT_SECONDS * 1000)};\n"
-            f"SELECT pg_advisory_lock({MIGRATION_LOCK_KEY});\n"
+            f"{_lock_timeout(MIGRATION_WAIT_SECONDS)};\n"
+            f"{TAKE_TURN};\n"
             f"-- Each lock a migration needs is waited for at most {lock_timeout_seconds:g} s: a DDL statement queued "
             f"behind a long\n-- transaction would hold every statement on its table behind it. Past it, psql stops "
             f"(ON_ERROR_STOP):\n-- run the script again from the revision reached (--from).\n"
-            f"SET lock_timeout = {int(lock_timeout_seconds * 1000)};\n"
+            f"{_lock_timeout(lock_timeout_seconds)};\n"
             f"-- Written for a database at revision {start or '(empty)'}: at any other, it stops here, changing "
             f"nothing.\n"
             f"DO $$ DECLARE found text; BEGIN\n"
