@@ -79,6 +79,9 @@ class ClaimOutput(BaseModel):
 class AdmitInput(BaseModel):
     job_id: UUID
     attempt_id: UUID  # the claim's, if the row is Queued and policy allows it
+    # The attempt whose cutoff 2 the run gave up (Temporal's timeout), if it did: the read marks it, and cutoff 2
+    # refuses it (run_waits_on_attempt.sql). Added in 0.3.0; a worker of 0.2.0 ignores it.
+    given_up: UUID | None = None
 
 
 class Admission(BaseModel):

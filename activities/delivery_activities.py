@@ -119,12 +119,15 @@ class DeliveryActivities(ExportActivitiesBase):
                 # Whatever the row now says, this attempt will not deliver this file: recovery reads the row.
                 remove_local_file(file.path)
                 raise
-            if result is not AuthorizationResult.AUTHORIZED and _past(not_after):
-                # The step reached the database after its bound (its worker was paused with the task in hand): the
-                # run has given it up and moved on, so it authorized nothing, and it hands the attempt back at once
-                # (the lease ends now) for recovery to requeue, rather than letting it lapse a lease later.
-                log.warning("cutoff 2 of export %s attempt %s ran past its bound (%s): authorized nothing; the "
-                            "attempt is handed back", job.id, attempt_id, not_after)
+            if result is not AuthorizationResult.AUTHORIZED and (_past(not_after)
+                                                                 or result is AuthorizationResult.NOT_OWNER):
+                # The step reached the database after its bound (its worker was paused with the task in hand), or
+                # after its run said it gave the step up (Temporal's timeout; the heartbeats it sent on time reached
+                # no server): the run has moved on, so it authorized nothing, and it hands the attempt back at once
+                # (the lease ends now) for recovery to requeue, rather than letting it lapse a lease later. An
+                # attempt truly another's matches nothing in release_lease.sql.
+                log.warning("cutoff 2 of export %s attempt %s came after its run gave it up (bound %s): authorized "
+                            "nothing; the attempt is handed back", job.id, attempt_id, not_after)
                 if file.holder is not None:
                     await self.store.release_lease(job.id, attempt_id, file.holder)
             elif result is AuthorizationResult.STOP_RECORDED:

@@ -115,7 +115,7 @@ class ExportActivities(BuildActivities, DeliveryActivities):
             self.capacity.builds.claim_ended(step)
 
     async def _admit(self, request: AdmitInput) -> Admission:
-        evaluation = await self._evaluate(request.job_id, own_attempt=request.attempt_id)
+        evaluation = await self._evaluate(request.job_id, own_attempt=request.attempt_id, given_up=request.given_up)
         row = evaluation.row
         if row is not None and row.status is Status.RUNNING and row.attempt_id == request.attempt_id:
             found = self._claim_output(ClaimResult.CLAIMED, row.id, request.attempt_id,
@@ -132,7 +132,8 @@ class ExportActivities(BuildActivities, DeliveryActivities):
             if not self.capacity.shares.reserve(row.destination_id, key):
                 # Its destination holds its share of this worker (LD4): wait here, then read the row again.
                 await self._room_at(row.destination_id, key)
-                evaluation = await self._evaluate(request.job_id, own_attempt=request.attempt_id)
+                evaluation = await self._evaluate(request.job_id, own_attempt=request.attempt_id,
+                                                  given_up=request.given_up)
                 row = evaluation.row
                 if row is None or not evaluation.allowed:
                     return Admission(evaluation=evaluation, idle_recheck_seconds=self.settings.idle_recheck_seconds)
@@ -174,13 +175,15 @@ class ExportActivities(BuildActivities, DeliveryActivities):
                 f"({self.capacity.shares.limit} at once); the claim is scheduled again",
                 type=error_types.DESTINATION_BUSY, next_retry_delay=timedelta(seconds=1))
 
-    async def _evaluate(self, job_id: UUID, *, own_attempt: UUID | None = None) -> Evaluation:
+    async def _evaluate(self, job_id: UUID, *, own_attempt: UUID | None = None,
+                        given_up: UUID | None = None) -> Evaluation:
         """Reads and decides; its writes are the conditional rejection and the mark of a run that waits on another
-        attempt than `own_attempt` (the claim's own, found by its retry, is the run's to carry on: no wake-up), so a
-        repeated wake-up is harmless."""
+        attempt than `own_attempt` (the claim's own, found by its retry, is the run's to carry on: no wake-up), with
+        `given_up` (the attempt whose cutoff 2 the run gave up) marked if it is that attempt, so a repeated wake-up
+        is harmless."""
         row, destination = await self.store.read_job_and_destination(job_id)
         if row is not None and row.status in _ATTEMPT_UNDER_WAY and row.attempt_id != own_attempt:
-            return Evaluation(row=await self._waiting_on_attempt(row))
+            return Evaluation(row=await self._waiting_on_attempt(row, given_up))
         if row is None or row.status is not Status.QUEUED:
             return Evaluation(row=row)
         if destination is None:
@@ -200,13 +203,13 @@ class ExportActivities(BuildActivities, DeliveryActivities):
             log.info("export %s rejected at version %s: %s", row.id, row.version, reason)
         return Evaluation(row=await self.store.read_job(row.id), reason=reason)
 
-    async def _waiting_on_attempt(self, row: JobRow) -> JobRow | None:
+    async def _waiting_on_attempt(self, row: JobRow, given_up: UUID | None) -> JobRow | None:
         """The run may wait for a wake-up on a `Running` or `Delivering` row: its attempt's terminal write is to
         write one, which a step Temporal gave up cannot always know to do (its heartbeats went nowhere). A row that
         moved on meanwhile is returned as it is now, or marked again if another attempt holds it by then."""
         for _ in range(_WAIT_MARK_TRIES):
             assert row.attempt_id is not None  # a Running or Delivering row names its attempt
-            if await self.store.run_waits_on_attempt(row.id, row.attempt_id):
+            if await self.store.run_waits_on_attempt(row.id, row.attempt_id, given_up):
                 return row
             again = await self.store.read_job(row.id)
             if again is None or again.status not in _ATTEMPT_UNDER_WAY or again.attempt_id == row.attempt_id:

@@ -248,18 +248,18 @@ class Role:
 
 
 def _app_update_columns() -> tuple[str, ...]:
-    """The export_jobs columns that migrations 0005, 0010, 0013, 0017 and 0018 let the application update (their
-    APP_COLUMNS)."""
+    """The export_jobs columns that migrations 0005, 0010, 0013, 0017, 0018 and 0022 let the application update
+    (their APP_COLUMNS)."""
     listed = ",".join(revision_module(revision).APP_COLUMNS
-                      for revision in ("0005", "0010", "0013", "0017", "0018"))
+                      for revision in ("0005", "0010", "0013", "0017", "0018", "0022"))
     return tuple(column.strip() for column in listed.split(","))
 
 
 def worker_roles() -> tuple[Role, ...]:
     """What the worker uses of each role, as the migrations grant it at the head revision: 0001 (tables), 0005
-    (the application's UPDATE narrowed to its columns, 0010's rename fence, 0013's and 0018's hand-backs and 0017's
-    waiting runs), 0009 (the evidence follow-up's looks), 0011 (partner sessions), 0012 (the dispatcher's read of an
-    export's tenant).
+    (the application's UPDATE narrowed to its columns, 0010's rename fence, 0013's and 0018's hand-backs, 0017's
+    waiting runs and 0022's given-up cutoffs), 0009 (the evidence follow-up's looks), 0011 (partner sessions),
+    0012 (the dispatcher's read of an export's tenant).
     tests/deploy/test_preflight.py compares this with the privileges a freshly migrated database holds, so a
     migration that changes a grant changes this too."""
     app = ("exports_app", "EXPORTS_DATABASE_URL", "database_url", (

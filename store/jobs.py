@@ -345,10 +345,12 @@ class JobStore(RoleStore):
     async def release_partner_session(self, job_id: UUID, attempt_id: UUID) -> None:
         await self._write("release_partner_session", job_id=job_id, attempt_id=attempt_id)
 
-    async def run_waits_on_attempt(self, job_id: UUID, attempt_id: UUID) -> bool:
+    async def run_waits_on_attempt(self, job_id: UUID, attempt_id: UUID, given_up: UUID | None = None) -> bool:
         """A run found the row `Running` or `Delivering` under `attempt_id` and waits: the attempt's terminal write
-        wakes it (run_waits_on_attempt.sql). False when the row no longer reads so."""
-        return await self._write("run_waits_on_attempt", job_id=job_id, attempt_id=attempt_id) == 1
+        wakes it (run_waits_on_attempt.sql). `given_up`: the attempt whose cutoff 2 the run gave up, which cutoff 2
+        then refuses. False when the row no longer reads so."""
+        return await self._write("run_waits_on_attempt", job_id=job_id, attempt_id=attempt_id,
+                                 given_up=given_up) == 1
 
     async def release_lease(self, job_id: UUID, attempt_id: UUID, holder: str) -> bool:
         return await self._write("release_lease", job_id=job_id, attempt_id=attempt_id, holder=holder) == 1
@@ -515,5 +517,7 @@ def _authorization_in(row: dict[str, Any] | None, attempt_id: UUID, holder: str 
         return AuthorizationResult.STOP_RECORDED
     if row["original_status"] == Status.COMPLETED:
         return AuthorizationResult.ORIGINAL_COMPLETED
+    if row["run_gave_up"]:
+        return AuthorizationResult.NOT_OWNER  # its run gave the step up and will not deliver the attempt
     # Expired, or renewed between the refusal and this read: either way, renew and retry once.
     return AuthorizationResult.LEASE_LAPSED

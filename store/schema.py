@@ -86,6 +86,8 @@ export_jobs = Table(
     Column("run_waits_for", UUID(as_uuid=True)),
     # migration 0018: the last attempt whose hand-back was counted
     Column("handed_back_attempt", UUID(as_uuid=True)),
+    # migration 0022: the attempt whose cutoff 2 its run gave up (cutoff 2 refuses it)
+    Column("cutoff_2_given_up", UUID(as_uuid=True)),
 )
 
 deliveries = Table(

@@ -183,7 +183,9 @@ class ExportWorkflow:
             # claim given up for a Canceled row (below) can claim nothing, so the run need not wait for its step.
             # Started here, not in a task of its own: its command keeps its place among the activation's.
             claiming = workflow.start_activity_method(
-                ExportActivities.claim_if_allowed, AdmitInput(job_id=job_id, attempt_id=attempt_id),
+                ExportActivities.claim_if_allowed,
+                # Inputs are not replayed either: a run that gave a cutoff 2 up names it (0.3.0), unpatched.
+                AdmitInput(job_id=job_id, attempt_id=attempt_id, given_up=self._state.cutoff_2_given_up),
                 summary="read row, evaluate policy, claim (on a worker with a build slot free)",
                 task_queue=admission_queue(workflow.info().task_queue),
                 schedule_to_start_timeout=_ADMISSION_WAIT,
@@ -364,7 +366,10 @@ class ExportWorkflow:
                 **_on_worker(built, lease),
             )
         except ActivityError:
-            return False  # cutoff 2 may or may not have committed: the row says which side the attempt is on
+            # Cutoff 2 may or may not have committed: the row says which side the attempt is on. If its step still
+            # runs (Temporal gave it up), the next read tells the row, so that the step authorizes nothing.
+            self._state.cutoff_2_given_up = attempt.attempt_id
+            return False
         return authorized.result is AuthorizationResult.AUTHORIZED
 
     async def _deliver(self, attempt: AttemptInput, built: BuildOutput, lease: timedelta) -> None:

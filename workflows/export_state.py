@@ -51,6 +51,9 @@ class RunState:
         self.temporal_cancel = False  # Temporal's cancel of the run, not yet a stop request (the row is not known)
         self.build: workflow.ActivityHandle[BuildOutput] | None = None  # the build in flight, which a stop cancels
         self.delivered_row: JobRow | None = None  # the row the delivery's terminal write left, read back at once
+        # The attempt whose cutoff 2 the run gave up: its next reads name it, so that the step, if it goes on,
+        # authorizes nothing (run_waits_on_attempt.sql).
+        self.cutoff_2_given_up: uuid.UUID | None = None
         self.idle_recheck = IDLE_RECHECK
         self.why = ""  # how the last step ended, for the UI
 

@@ -2,8 +2,9 @@
 -- a current lease, which it renews, so the upload starts with a full one; for a replacement, also only while its
 -- original is not Completed. FOR SHARE makes a correction of the original and this statement wait for each
 -- other, whichever commits first. :not_after is the step's own bound: a step that reaches the database after it
--- (its worker was paused, and the run has moved on) authorizes nothing. It opens the attempt's rename fence
--- (pass_rename_fence.sql).
+-- (its worker was paused, and the run has moved on) authorizes nothing; nor does one whose run gave it up and
+-- said so in its next read (run_waits_on_attempt.sql), which the step's own bound may not show. It opens the
+-- attempt's rename fence (pass_rename_fence.sql).
 WITH original_open AS (
     SELECT 1 FROM export_jobs
     WHERE tenant_id = :tenant_id AND id = CAST(:replaces_job_id AS uuid) AND status <> 'Completed'
@@ -17,6 +18,7 @@ authorized AS (
     WHERE id = :job_id AND attempt_id = :attempt_id AND status = 'Running'
       AND claimed_by = coalesce(CAST(:holder AS text), claimed_by)
       AND stop_request_id IS NULL
+      AND cutoff_2_given_up IS DISTINCT FROM attempt_id
       AND lease_expires_at > clock_timestamp()
       AND clock_timestamp() < coalesce(CAST(:not_after AS timestamptz), 'infinity')
       AND (CAST(:replaces_job_id AS uuid) IS NULL OR EXISTS (SELECT 1 FROM original_open))

@@ -87,8 +87,8 @@ async def test_migrate_to_the_previous_revision_and_back(db, tmp_path):
     settings = db.settings()
 
     async def head_migration_in_place() -> bool:
-        """Whether the head's migration is in place (0021: a new export's rule names the hand-back count)."""
-        return "handed_back_count" in await db.admin.fetchval(
+        """Whether the head's migration is in place (0022: a new export's rule names the given-up cutoff 2)."""
+        return "cutoff_2_given_up" in await db.admin.fetchval(
             "SELECT pg_get_functiondef('exports_new_job_is_queued_with_its_wakeup'::regproc)")
 
     down = await exports_command(settings, "migrate", "--to", PREVIOUS, cwd=tmp_path)

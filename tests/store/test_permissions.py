@@ -506,6 +506,7 @@ _BORN_WITH = {
     "hand-backs at the cap": ("handed_back_count", 3),
     "a counted hand-back": ("handed_back_attempt", uuid.UUID(int=1)),
     "a run waiting on an attempt": ("run_waits_for", uuid.UUID(int=2)),
+    "a cutoff 2 given up": ("cutoff_2_given_up", uuid.UUID(int=3)),
 }
 
 
@@ -536,6 +537,7 @@ _QUEUED_EDITS = {
     "hand-back count put back to 0": "SET handed_back_count = 0",
     "counted hand-back forgotten": "SET handed_back_attempt = NULL",
     "waiting mark forged": "SET run_waits_for = gen_random_uuid()",
+    "given-up mark forged": "SET cutoff_2_given_up = gen_random_uuid()",
 }
 
 
@@ -550,7 +552,7 @@ async def test_a_queued_rows_own_edits_leave_its_hand_backs_and_waiting_mark_alo
     # As the owner: the export's attempts were handed back twice, then taken back, so it is Queued with its count.
     await db.admin.execute("UPDATE export_jobs SET handed_back_count = 2, handed_back_attempt = $2 WHERE id = $1",
                            job_id, uuid.uuid4())
-    columns = "status, handed_back_count, handed_back_attempt, run_waits_for"
+    columns = "status, handed_back_count, handed_back_attempt, run_waits_for, cutoff_2_given_up"
     before = await db.admin.fetchrow(f"SELECT {columns} FROM export_jobs WHERE id = $1", job_id)
     refusal = await _committed_or_refused(app, (f"UPDATE export_jobs {_QUEUED_EDITS[case]} WHERE id = $1", job_id))
     assert await db.admin.fetchrow(f"SELECT {columns} FROM export_jobs WHERE id = $1", job_id) == before

@@ -10,8 +10,9 @@ from collections.abc import Awaitable
 import pytest
 
 from store.jobs import JobStore
-from store.models import CancellationOutcome, FailureCode, Status
-from tests.helpers.store_states import cancel, drive, expire, outbox
+from store.models import AuthorizationResult, CancellationOutcome, FailureCode, Status
+from tests.helpers.events import events, kinds
+from tests.helpers.store_states import built_file, cancel, drive, expire, outbox
 from tests.helpers.support import create_job, seed_tenant
 from tests.store.test_race import BOUND, contend
 
@@ -95,3 +96,38 @@ async def test_a_running_attempts_own_terminal_write_wakes_the_run_waiting_on_it
     else:
         assert await store.finish_failed(job_id, attempt_id, FailureCode.ORIGINAL_DELIVERED, "arranged")
     assert len(await outbox(db, job_id)) - before == 1
+
+
+async def given_up_mark(db, job_id: uuid.UUID) -> uuid.UUID | None:
+    return await db.admin.fetchval("SELECT cutoff_2_given_up FROM export_jobs WHERE id = $1", job_id)
+
+
+@pytest.mark.spec("LV5")
+async def test_cutoff_2_refuses_an_attempt_its_run_said_it_gave_up_and_no_other(db, store):
+    """The run's read names the attempt whose cutoff 2 it gave up (migration 0022): that attempt's cutoff 2 is refused
+    (NotOwner, nothing written), while a read that names another attempt, or none, marks only the wait."""
+    tenant_id, destination_id = await seed_tenant(db.admin)
+    kept, given_up = (await create_job(store, tenant_id, destination_id) for _ in range(2))
+    kept_attempt, given_up_attempt = await drive(store, kept, Status.RUNNING), await drive(store, given_up,
+                                                                                           Status.RUNNING)
+    assert await store.run_waits_on_attempt(kept, kept_attempt, uuid.uuid4())  # a step of another run, or older
+    assert await store.run_waits_on_attempt(kept, kept_attempt)
+    assert await store.run_waits_on_attempt(given_up, given_up_attempt, given_up_attempt)
+    assert (await given_up_mark(db, kept), await given_up_mark(db, given_up)) == (None, given_up_attempt)
+
+    row = await store.read_job(given_up)
+    assert await store.authorize_delivery(row, given_up_attempt, built_file(row.final_name)) \
+        is AuthorizationResult.NOT_OWNER
+    assert (await store.read_job(given_up)).status is Status.RUNNING
+    assert "DeliveryAuthorized" not in kinds(await events(db, given_up))
+    row = await store.read_job(kept)
+    assert await store.authorize_delivery(row, kept_attempt, built_file(row.final_name)) \
+        is AuthorizationResult.AUTHORIZED
+
+
+@pytest.mark.spec("LV5")
+async def test_a_given_up_mark_on_a_row_past_cutoff_2_is_not_written(db, store):
+    """Once cutoff 2 committed (the run's read came after it), the mark would mean nothing: only the wait is noted."""
+    job_id, attempt_id = await delivering(store, db)
+    assert await store.run_waits_on_attempt(job_id, attempt_id, attempt_id)
+    assert await given_up_mark(db, job_id) is None

@@ -1,0 +1,132 @@
+"""A cutoff 2 that Temporal gave up while its worker, cut off from Temporal but not from PostgreSQL, still runs it
+(LV5), through real worker processes, the Temporal dev server, PostgreSQL and the SFTP partner.
+
+The step's own bound counts the heartbeats it sent, and a worker cut off from Temporal sends them on time to no one,
+so only the run knows it gave the step up. Its next read of the row names that attempt (`AdmitInput.given_up`) and
+marks it (`cutoff_2_given_up`), and cutoff 2 refuses a marked attempt. A claim step of another run, or one scheduled
+before the run gave anything up, carries no such name: it can never mark the attempt a live run drives."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from activities import checkpoints
+from store.models import Status
+from tests.helpers.crash import crash_world, held_with_temporal_down, processes, start_worker
+from tests.helpers.events import events
+from tests.helpers.harness import Harness, held_at, release_held, run_recovery
+from tests.helpers.support import eventually
+from tests.helpers.tcp_cut import TcpCutProxy, temporal_upstream
+from tests.workflows.test_crash import activity_runs, named
+from workflows.identity import export_workflow_id
+
+# Long enough that a held build on a worker cut off from Temporal outlives the few seconds the test takes to
+# terminate its run.
+LEASE = 10.0
+
+
+async def _authorized_or_handed_back(h: Harness, job_id: uuid.UUID, attempt: uuid.UUID) -> str | None:
+    if any(e["kind"] == "DeliveryAuthorized" and e["attempt_id"] == attempt for e in await events(h.db, job_id)):
+        return "authorized"
+    row = await h.db.admin.fetchrow("SELECT attempt_id, lease_expires_at <= clock_timestamp() AS lapsed "
+                                    "FROM export_jobs WHERE id = $1", job_id)
+    return "handed back" if row["attempt_id"] != attempt or row["lapsed"] else None
+
+
+async def _marks(h: Harness, job_id: uuid.UUID) -> tuple[uuid.UUID | None, uuid.UUID | None]:
+    row = await h.db.admin.fetchrow("SELECT run_waits_for, cutoff_2_given_up FROM export_jobs WHERE id = $1", job_id)
+    return row["run_waits_for"], row["cutoff_2_given_up"]
+
+
+@pytest.mark.spec("LV5")
+async def test_a_cutoff_2_given_up_by_temporal_while_its_worker_is_cut_off_from_it_authorizes_nothing(crash_harness):
+    """The worker at cutoff 2 is cut off from Temporal, not from PostgreSQL or the partner (as one waiting there for
+    an upload slot or a partner session may be). Temporal gives the step up (heartbeat timeout) and the run reads the
+    row again, naming the attempt it gave up. Released, the step authorizes nothing and hands the attempt back, so
+    its lease, upload slot and partner session are not held a hand-over window more (found by review)."""
+    h = crash_harness
+    async with processes(h) as started, TcpCutProxy(*temporal_upstream(h.client)) as temporal:
+        job_id = await held_with_temporal_down(h, started, temporal, checkpoints.BEFORE_CUTOFF_2)
+        first = (await h.store.read_job(job_id)).attempt_id
+        try:
+            await eventually(lambda: activity_runs(h, job_id),
+                             lambda runs: [r.outcome for r in named(runs, "authorize_delivery")] == ["timed_out"]
+                             and runs[-1].name == "claim_if_allowed" and runs[-1].outcome == "completed",
+                             timeout=60, interval=0.2, what="cutoff 2 given up by Temporal and the row read again")
+            marks = await _marks(h, job_id)  # the run's read, before the step goes on
+            release_held(h.settings, checkpoints.BEFORE_CUTOFF_2, job_id)
+            verdict = await eventually(lambda: _authorized_or_handed_back(h, job_id, first), lambda v: v is not None,
+                                       timeout=30, interval=0.1, what="the late cutoff 2's answer")
+        finally:
+            release_held(h.settings, checkpoints.BEFORE_CUTOFF_2, job_id)
+            temporal.heal()
+    late = [e["kind"] for e in await events(h.db, job_id) if e["attempt_id"] == first]
+    assert verdict == "handed back" and "DeliveryAuthorized" not in late, (verdict, late)
+    assert marks == (first, first)
+
+
+@pytest_asyncio.fixture
+async def long_lease_harness(db, store, client, tmp_path) -> AsyncIterator[Harness]:
+    async with crash_world(db, store, client, tmp_path, lease_seconds=LEASE) as h:
+        yield h
+
+
+async def _log_says(path: Path, text: str) -> bool:
+    await asyncio.sleep(0)
+    return path.exists() and text in path.read_text(errors="replace")
+
+
+@pytest.mark.spec("LV5")
+async def test_a_claim_step_of_a_terminated_run_reading_late_never_marks_the_live_runs_attempt(long_lease_harness):
+    """A run's claim waits in its step for its destination's share of worker A (LD4), heartbeating; A is cut off
+    from Temporal (not from PostgreSQL), and the run is terminated. Recovery wakes the export and a new run claims
+    attempt Y on worker B. When A's share frees, the old claim step goes on and reads the row: it finds Y, not its
+    own, and may note that a run waits on Y, but it names no attempt given up, so Y's cutoff 2 is authorized (found
+    by review, against a first fix that refused any attempt a run waited on)."""
+    h = long_lease_harness
+    async with processes(h) as started, TcpCutProxy(*temporal_upstream(h.client)) as temporal:
+        a = await start_worker(started, h, hold_at=checkpoints.BUILD_STARTED, max_builds=2, max_per_destination=1,
+                               temporal_address=f"127.0.0.1:{temporal.port}")
+        blocker = await h.create()  # holds worker A's one place for the destination
+        await held_at(h.settings, checkpoints.BUILD_STARTED, blocker)
+        job_id = await h.create()
+        await eventually(lambda: _log_says(a.log_path, f"export {job_id} waits for a place"), bool, timeout=30,
+                         interval=0.2, what="the export's claim waiting in its step on worker A")
+        temporal.go_down()  # A still reaches PostgreSQL; its heartbeats reach no server
+        for job in (blocker, job_id):
+            await h.client.get_workflow_handle(export_workflow_id(job)).terminate(reason="test: a crashed run")
+        try:
+            await start_worker(started, h, hold_at=checkpoints.BEFORE_CUTOFF_2)
+            await asyncio.wait_for(run_recovery(h.client, h.settings), timeout=60)  # wakes the closed runs' rows
+            await held_at(h.settings, checkpoints.BEFORE_CUTOFF_2, job_id, timeout=60)
+            attempt = (await h.store.read_job(job_id)).attempt_id
+            assert attempt is not None and await _marks(h, job_id) == (None, None)
+            # A's place frees (the blocker is stopped; its build hears that from PostgreSQL): A's old claim step,
+            # given up by Temporal with its run, goes on and reads the export's row.
+            await h.store.request_cancellation(tenant_id=h.tenant_id, job_id=blocker, request_id=uuid.uuid4(),
+                                               requested_by="test", reason=None)
+            await eventually(lambda: h.store.read_job(blocker), lambda r: r.status is Status.STOPPED, timeout=30,
+                             what="the blocker stopped on worker A")
+            # The old step's read: it notes the run it belonged to as waiting on Y (a wake-up at most).
+            waits, given_up = await eventually(lambda: _marks(h, job_id), lambda m: m[0] is not None, timeout=30,
+                                               interval=0.1, what="the old claim step's late read")
+            live = [(r.name, r.outcome) for r in await activity_runs(h, job_id)]
+            release_held(h.settings, checkpoints.BEFORE_CUTOFF_2, job_id)
+            verdict = await eventually(lambda: _authorized_or_handed_back(h, job_id, attempt),
+                                       lambda v: v is not None, timeout=30, interval=0.1,
+                                       what="the live run's cutoff 2")
+        finally:
+            release_held(h.settings, checkpoints.BEFORE_CUTOFF_2, job_id)
+            temporal.heal()
+        row = await h.settled(job_id)
+    # The interleaving meant: the old step read Y while the live run's cutoff 2 was still open.
+    assert (waits, given_up) == (attempt, None)
+    assert live == [("claim_if_allowed", "completed"), ("build", "completed"), ("authorize_delivery", None)], live
+    assert verdict == "authorized"
+    assert row.status is Status.COMPLETED and row.attempt_id == attempt and row.attempt_count == 1, row
