@@ -300,6 +300,8 @@ class DeliveryActivities(ExportActivitiesBase):
             await self.checkpoints.reached(checkpoints.BEFORE_RENAME_FENCE, job.id)
             async def evidence_then_fence() -> bool:
                 await evidence.flush()  # the records kept through a blip come first, in order
+                if file.holder is None:
+                    return False  # a file that names no build (before 0.2.0) cannot prove it holds the row
                 return await self.store.pass_rename_fence(job.id, attempt_id, file.holder, observed_by,
                                                           before_rename)
 

@@ -105,6 +105,14 @@ class ExportActivities(BuildActivities, DeliveryActivities):
         finds its attempt in the row; one whose attempt ID a requeue has spent since is Lost."""
         step = self.capacity.builds.claim_started()
         if step is None:
+            if request.given_up is not None:
+                # The run's read right after it gave a cutoff 2 up (on the shared queue): its mark needs no slot.
+                # Only a claim does, of a Queued row, or of the run's own attempt found by a retry.
+                evaluation = await self._evaluate(request.job_id, own_attempt=request.attempt_id,
+                                                  given_up=request.given_up)
+                row = evaluation.row
+                if row is None or (not evaluation.allowed and row.attempt_id != request.attempt_id):
+                    return Admission(evaluation=evaluation, idle_recheck_seconds=self.settings.idle_recheck_seconds)
             raise ApplicationError("this worker's build slots are taken; the claim is scheduled again",
                                    type=error_types.WORKER_BUSY, next_retry_delay=timedelta(seconds=1))
         token = _CLAIM_STEP.set(step)

@@ -355,7 +355,7 @@ class JobStore(RoleStore):
     async def release_lease(self, job_id: UUID, attempt_id: UUID, holder: str) -> bool:
         return await self._write("release_lease", job_id=job_id, attempt_id=attempt_id, holder=holder) == 1
 
-    async def pass_rename_fence(self, job_id: UUID, attempt_id: UUID, holder: str | None, observed_by: str,
+    async def pass_rename_fence(self, job_id: UUID, attempt_id: UUID, holder: str, observed_by: str,
                                 detail: dict[str, Any]) -> bool:
         """The upload's last write before its rename (pass_rename_fence.sql), with `detail` as its evidence: True
         when the attempt may send the rename, False when it may not (recovery took the attempt back, or the row
@@ -373,7 +373,7 @@ class JobStore(RoleStore):
             raise written.unanswered
         row = written.row
         if row is None or row["status"] != Status.DELIVERING.value or row["attempt_id"] != attempt_id or (
-                holder is not None and row["claimed_by"] != holder):
+                row["claimed_by"] != holder):
             return False  # the row moved on: taken back (or finished) meanwhile
         if row["rename_fence"] == "passed":
             return True

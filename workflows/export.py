@@ -176,6 +176,10 @@ class ExportWorkflow:
         """Policy and the claim in one step, then the attempt if claimed. The settled row, or None to read the row
         again."""
         attempt_id = workflow.uuid4()
+        # Right after a cutoff 2 given up, on the shared queue: the read must mark the attempt before the step, if
+        # it still runs, reaches cutoff 2, and it needs no build slot for that (a busy fleet would hold it back).
+        general = workflow.info().task_queue
+        queue = general if self._state.given_up_unread else admission_queue(general)
         try:
             # On the admission queue, taken only by a worker with a build slot free: a Queued export waits here,
             # where no lease runs, never on a busy worker (LD1). Options are not replayed: unpatched. The bound
@@ -187,7 +191,7 @@ class ExportWorkflow:
                 # Inputs are not replayed either: a run that gave a cutoff 2 up names it (0.3.0), unpatched.
                 AdmitInput(job_id=job_id, attempt_id=attempt_id, given_up=self._state.cutoff_2_given_up),
                 summary="read row, evaluate policy, claim (on a worker with a build slot free)",
-                task_queue=admission_queue(workflow.info().task_queue),
+                task_queue=queue,
                 schedule_to_start_timeout=_ADMISSION_WAIT,
                 # Keyed to the tenant (LD5): a run started without the key (by hand, or before 0.3.0) has it from
                 # its row once read. Options are not replayed.
@@ -202,6 +206,7 @@ class ExportWorkflow:
             admission = await self._claim_unless_canceled_meanwhile(claiming)
             if admission is None:
                 return await self._canceled_while_claiming(job_id)
+            self._state.given_up_unread = False
         except ActivityError as err:
             # Ended visibly (its failure is in the history); the row is read again at the next wake-up.
             workflow.logger.warning("reading or claiming export %s failed: %s; waiting for the row", job_id,
@@ -369,6 +374,7 @@ class ExportWorkflow:
             # Cutoff 2 may or may not have committed: the row says which side the attempt is on. If its step still
             # runs (Temporal gave it up), the next read tells the row, so that the step authorizes nothing.
             self._state.cutoff_2_given_up = attempt.attempt_id
+            self._state.given_up_unread = True
             return False
         return authorized.result is AuthorizationResult.AUTHORIZED
 
@@ -434,8 +440,9 @@ class ExportWorkflow:
     def _may_continue_as_new(self) -> bool:
         # Not with Temporal's cancel still waiting for the row (a run whose claim failed has not read it): the new
         # run would never hear of it, and the export would go on as if never cancelled.
+        # Nor with a cutoff 2 given up and not yet marked: the new run would not know to mark it.
         return (self._cancellations.updates_on and workflow.info().is_continue_as_new_suggested()
-                and not self._state.temporal_cancel
+                and not self._state.temporal_cancel and not self._state.given_up_unread
                 and self._cancellations.idle and workflow.all_handlers_finished())
 
     def _observe(self, row: JobRow | None, *, show: bool = True) -> JobRow:

@@ -87,9 +87,9 @@ async def test_migrate_to_the_previous_revision_and_back(db, tmp_path):
     settings = db.settings()
 
     async def head_migration_in_place() -> bool:
-        """Whether the head's migration is in place (0022: a new export's rule names the given-up cutoff 2)."""
-        return "cutoff_2_given_up" in await db.admin.fetchval(
-            "SELECT pg_get_functiondef('exports_new_job_is_queued_with_its_wakeup'::regproc)")
+        """Whether the head's migration is in place (0023: the rename fence's rule asks for the holder's evidence)."""
+        return "with the evidence of the attempt" in await db.admin.fetchval(
+            "SELECT pg_get_functiondef('exports_job_change_has_its_event'::regproc)")
 
     down = await exports_command(settings, "migrate", "--to", PREVIOUS, cwd=tmp_path)
     assert down.code == 0 and f"at {PREVIOUS} (was {head_revision()})" in down.stdout, down

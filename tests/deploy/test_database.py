@@ -260,7 +260,7 @@ async def test_migrate_sql_needs_no_database_and_psql_applies_the_same_schema(tc
     for database in (reviewed, online):
         conn = await asyncpg.connect(tcp_cluster.superuser_dsn(database))
         try:
-            assert await conn.fetchval("SELECT version_num FROM alembic_version") == "0022"
+            assert await conn.fetchval("SELECT version_num FROM alembic_version") == "0023"
             tables = {r[0] for r in await conn.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
             assert tables == TABLES
         finally:

@@ -585,10 +585,10 @@ async def test_rename_fence_cut_before_the_server__not_a_refusal_but_an_error_to
     await warm(faulty, proxy, job_id)
     cut = proxy.cut_before("rename_fence = 'passed'")
     with pytest.raises(ConnectionError, match="was not written") as raised:
-        await bounded(faulty.pass_rename_fence(job_id, attempt_id, None, "worker-a/test", {"step": "rename"}))
+        await bounded(faulty.pass_rename_fence(job_id, attempt_id, "worker-a", "worker-a/test", {"step": "rename"}))
     assert cut.is_set() and errors.is_transient(raised.value)
     assert await db.admin.fetchval("SELECT rename_fence FROM export_jobs WHERE id = $1", job_id) == "open"
-    assert await bounded(faulty.pass_rename_fence(job_id, attempt_id, None, "worker-a/test", {"step": "rename"}))
+    assert await bounded(faulty.pass_rename_fence(job_id, attempt_id, "worker-a", "worker-a/test", {"step": "rename"}))
 
 
 @pytest.mark.spec("RI4", "LR2")
@@ -596,6 +596,6 @@ async def test_rename_fence_cut_after_commit__the_reread_says_passed(db, store, 
     job_id, attempt_id = await _arrange_terminal(db, store, "delivery")
     await warm(faulty, proxy, job_id)
     cut = proxy.cut_after_commit("rename_fence = 'passed'")
-    assert await bounded(faulty.pass_rename_fence(job_id, attempt_id, None, "worker-a/test", {"step": "rename"}))
+    assert await bounded(faulty.pass_rename_fence(job_id, attempt_id, "worker-a", "worker-a/test", {"step": "rename"}))
     assert cut.is_set()
     assert await db.admin.fetchval("SELECT rename_fence FROM export_jobs WHERE id = $1", job_id) == "passed"

@@ -557,3 +557,52 @@ async def test_a_queued_rows_own_edits_leave_its_hand_backs_and_waiting_mark_alo
     refusal = await _committed_or_refused(app, (f"UPDATE export_jobs {_QUEUED_EDITS[case]} WHERE id = $1", job_id))
     assert await db.admin.fetchrow(f"SELECT {columns} FROM export_jobs WHERE id = $1", job_id) == before
     assert isinstance(refusal, asyncpg.InsufficientPrivilegeError), refusal
+
+
+_FENCE_PASSES = {
+    "a bare update": (),
+    "evidence naming no holder": (None,),
+    "evidence naming another build": ("worker-other",),
+}
+
+
+@pytest.mark.spec("GR1")
+@pytest.mark.parametrize("case", list(_FENCE_PASSES))
+async def test_the_rename_fence_passes_only_with_its_holders_evidence_in_the_same_transaction(
+        db, store, tenant, app, case):
+    """The rule asked only that the fence move to `passed`: a bare UPDATE by the application, naming neither the
+    attempt nor its holder and writing no evidence, passed it, and recovery then resolved the attempt from evidence
+    instead of taking it back (found by review; migration 0023). Evidence the stamp (0008) leaves without the row's
+    holder proves nothing either."""
+    tenant_id, destination_id = tenant
+    job_id = await create_job(store, tenant_id, destination_id)
+    attempt_id = await drive(store, job_id, Status.DELIVERING)
+    steps: list[tuple] = [("UPDATE export_jobs SET rename_fence = 'passed' WHERE id = $1", job_id)]
+    for holder in _FENCE_PASSES[case]:
+        steps.append(("INSERT INTO export_attempt_events (job_id, attempt_id, kind, worker_id, observed_by, detail, "
+                      "recorded_at) VALUES ($1, $2, 'DeliveryEvidence', $3, 'intruder', '{\"step\": \"rename\"}', "
+                      "clock_timestamp())", job_id, attempt_id, holder))
+    refusal = await _committed_or_refused(app, *steps)
+    assert await db.admin.fetchval("SELECT rename_fence FROM export_jobs WHERE id = $1", job_id) == "open"
+    assert isinstance(refusal, asyncpg.InsufficientPrivilegeError) and str(refusal).startswith("GR1"), refusal
+    # The statement itself, naming the attempt and its holder, passes it.
+    assert await store.pass_rename_fence(job_id, attempt_id, "worker-test", "worker-test/t", {"step": "rename"})
+    assert await db.admin.fetchval("SELECT rename_fence FROM export_jobs WHERE id = $1", job_id) == "passed"
+
+
+@pytest.mark.spec("GR1")
+@pytest.mark.parametrize("edit", ["SET cutoff_2_given_up = NULL", "SET cutoff_2_given_up = gen_random_uuid()"])
+async def test_a_runs_given_up_mark_is_never_cleared_or_moved(db, store, tenant, app, edit):
+    """A renewal-shaped write may mark the row's own attempt as given up (run_waits_on_attempt.sql), nothing else:
+    cleared, the mark let the given-up step's cutoff 2 authorize again (found by review; migration 0022)."""
+    tenant_id, destination_id = tenant
+    job_id = await create_job(store, tenant_id, destination_id)
+    attempt_id = await drive(store, job_id, Status.RUNNING)
+    assert await store.run_waits_on_attempt(job_id, attempt_id, attempt_id)  # the run gave this cutoff 2 up
+    refusal = await _committed_or_refused(app, (f"UPDATE export_jobs {edit} WHERE id = $1", job_id))
+    assert isinstance(refusal, asyncpg.InsufficientPrivilegeError) and str(refusal).startswith("GR1"), refusal
+    assert await db.admin.fetchval("SELECT cutoff_2_given_up FROM export_jobs WHERE id = $1", job_id) == attempt_id
+    row = await store.read_job(job_id)
+    assert await store.authorize_delivery(row, attempt_id, built_file(row.final_name)) \
+        is AuthorizationResult.NOT_OWNER
+    assert "DeliveryAuthorized" not in kinds(await events(db, job_id))

@@ -430,7 +430,7 @@ async def delivering(store: JobStore, tenant: tuple[uuid.UUID, uuid.UUID]) -> tu
 
 
 def fence_params(job: JobRow, attempt_id: uuid.UUID) -> dict[str, object]:
-    return {"job_id": job.id, "attempt_id": attempt_id, "holder": None, "observed_by": "worker-a/test",
+    return {"job_id": job.id, "attempt_id": attempt_id, "holder": "worker-a", "observed_by": "worker-a/test",
             "detail": '{"step": "rename"}'}
 
 
@@ -453,7 +453,7 @@ async def test_an_open_fence_is_taken_back_and_can_then_never_pass(db, store, re
     assert kinds(await events(db, job.id)) == ["Claimed", "DeliveryAuthorized", "RequeuedByRecovery"]
     assert len(await outbox(db, job.id)) == 2 and ended == []
     # The paused attempt, woken: its fence never passes, so it never renames; its lease is gone too.
-    assert await store.pass_rename_fence(job.id, attempt_id, None, "worker-a/test", {"step": "rename"}) is False
+    assert await store.pass_rename_fence(job.id, attempt_id, "worker-a", "worker-a/test", {"step": "rename"}) is False
     assert not await store.renew_lease(job.id, attempt_id)
     assert kinds(await events(db, job.id)) == ["Claimed", "DeliveryAuthorized", "RequeuedByRecovery"]
 
@@ -461,8 +461,8 @@ async def test_an_open_fence_is_taken_back_and_can_then_never_pass(db, store, re
 @pytest.mark.spec("RI4")
 async def test_a_passed_fence_is_never_taken_back_only_resolved(db, store, recovery, tenant, ended):
     job, attempt_id = await delivering(store, tenant)
-    assert await store.pass_rename_fence(job.id, attempt_id, None, "worker-a/test", {"step": "rename"})
-    assert await store.pass_rename_fence(job.id, attempt_id, None, "worker-a/test", {"step": "rename"})  # a retry
+    assert await store.pass_rename_fence(job.id, attempt_id, "worker-a", "worker-a/test", {"step": "rename"})
+    assert await store.pass_rename_fence(job.id, attempt_id, "worker-a", "worker-a/test", {"step": "rename"})  # a retry
     assert await fence(db, job.id) == "passed"
     await expire(db, job.id)
     [candidate] = await recovery.nominate(limit=10)
@@ -488,7 +488,8 @@ async def test_a_replacements_open_fence_is_taken_back_and_a_passed_one_only_res
                                        created_by="operator@example", replacement_reason="never confirmed")
         attempt_id = await drive(store, replacement, Status.DELIVERING)
         if passed:
-            assert await store.pass_rename_fence(replacement, attempt_id, None, "worker-a/test", {"step": "rename"})
+            assert await store.pass_rename_fence(replacement, attempt_id, "worker-test", "worker-test/t",
+                                                 {"step": "rename"})
         await expire(db, replacement)
         [candidate] = [c for c in await recovery.nominate(limit=10) if c.job_id == replacement]
         taken = await recovery.take_back_before_rename(candidate, RUN)
@@ -499,7 +500,7 @@ async def test_a_replacements_open_fence_is_taken_back_and_a_passed_one_only_res
             assert (taken, row.status, row.attempt_id, await fence(db, replacement)) == (
                 REQUEUED, Status.QUEUED, None, None)
             # The paused attempt, woken, can never rename.
-            assert not await store.pass_rename_fence(replacement, attempt_id, None, "worker-a/test",
+            assert not await store.pass_rename_fence(replacement, attempt_id, "worker-test", "worker-test/t",
                                                      {"step": "rename"})
         assert (await store.read_job(original)).status is Status.OUTCOME_UNKNOWN  # the original is untouched
     assert ended == []
@@ -524,7 +525,7 @@ async def test_the_fence_and_the_take_back_wait_for_each_other_and_one_wins(db, 
     async with held(app_engine, "recovery_take_back", job_id=other.id, expired_attempt_id=other_attempt,
                     recovery_run_id=RUN, max_attempts=3, max_hand_backs=10, max_shared_losses=10,
                     max_losses_amid_others=30, with_its_worker=False, amid_others=False, lost_by=None) as (conn, pid):
-        passing = asyncio.create_task(store.pass_rename_fence(other.id, other_attempt, None, "worker-b/test",
+        passing = asyncio.create_task(store.pass_rename_fence(other.id, other_attempt, "worker-a", "worker-b/test",
                                                               {"step": "rename"}))
         await blocked_by(db, pid, "rename_fence = 'passed'")
         await conn.commit()
@@ -549,7 +550,7 @@ async def test_the_application_cannot_reopen_a_passed_fence_or_open_one_by_hand(
     """Reopening a passed fence would let recovery requeue an attempt that may have renamed: refused, as is any
     write of the fence but the documented ones."""
     job, attempt_id = await delivering(store, tenant)
-    assert await store.pass_rename_fence(job.id, attempt_id, None, "worker-a/test", {"step": "rename"})
+    assert await store.pass_rename_fence(job.id, attempt_id, "worker-a", "worker-a/test", {"step": "rename"})
     queued = await create_job(store, *tenant)
     for job_id, value in ((job.id, "open"), (job.id, None), (queued, "open"), (queued, "passed")):
         with pytest.raises(Exception, match="GR1"):

@@ -23,7 +23,7 @@ async def test_migrations_are_at_head_and_applying_them_again_changes_nothing(db
 
     before = await db.admin.fetchval("SELECT version_num FROM alembic_version")
     await migrate(db.url("owner"))
-    assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == before == "0022"
+    assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == before == "0023"
 
 
 async def test_a_destination_contract_names_only_known_hash_evidence(db):
@@ -67,7 +67,7 @@ async def test_pods_that_migrate_at_once_all_succeed_and_the_schema_is_migrated_
         assert codes == [0, 0, 0, 0], [(code, err.decode()[-600:]) for code, (_, err) in zip(codes, ends, strict=True)]
         db = await asyncpg.connect(asyncpg_dsn(pg_server.url("owner", name)))
         try:
-            assert await db.fetchval("SELECT version_num FROM alembic_version") == "0022"
+            assert await db.fetchval("SELECT version_num FROM alembic_version") == "0023"
         finally:
             await db.close()
     finally:

@@ -107,9 +107,8 @@ async def test_cutoff_2_refuses_an_attempt_its_run_said_it_gave_up_and_no_other(
     """The run's read names the attempt whose cutoff 2 it gave up (migration 0022): that attempt's cutoff 2 is refused
     (NotOwner, nothing written), while a read that names another attempt, or none, marks only the wait."""
     tenant_id, destination_id = await seed_tenant(db.admin)
-    kept, given_up = (await create_job(store, tenant_id, destination_id) for _ in range(2))
-    kept_attempt, given_up_attempt = await drive(store, kept, Status.RUNNING), await drive(store, given_up,
-                                                                                           Status.RUNNING)
+    kept, given_up = [await create_job(store, tenant_id, destination_id) for _ in range(2)]
+    kept_attempt, given_up_attempt = [await drive(store, job_id, Status.RUNNING) for job_id in (kept, given_up)]
     assert await store.run_waits_on_attempt(kept, kept_attempt, uuid.uuid4())  # a step of another run, or older
     assert await store.run_waits_on_attempt(kept, kept_attempt)
     assert await store.run_waits_on_attempt(given_up, given_up_attempt, given_up_attempt)

@@ -64,7 +64,7 @@ async def test_migrate__a_lock_held_elsewhere_is_waited_for_a_bound_then_nothing
     assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == "0006"
     ran = await exports(db, "migrate", migration_lock_timeout_seconds=1)
     assert ran.code == 0, ran
-    assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == "0022"
+    assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == "0023"
 
 
 async def _waits_for_the_outbox(db) -> bool:
@@ -95,7 +95,7 @@ async def test_an_upgrade_holds_each_tables_lock_only_while_its_own_migration_ru
     ran = await migrating
     assert (status, reached) == ("Queued", "0018")
     assert ran.code == 0, ran
-    assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == "0022"
+    assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == "0023"
 
 
 @pytest.mark.spec("UP1")
@@ -112,20 +112,20 @@ async def test_an_upgrade_that_gives_up_on_a_lock_keeps_the_migrations_before_it
     assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == "0018"
     ran = await exports(db, "migrate")
     assert ran.code == 0, ran
-    assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == "0022"
+    assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == "0023"
 
 
 @pytest.mark.spec("UP3")
 async def test_a_downgrade_that_one_migration_refuses_changes_nothing(db):
     """A rollback is all or nothing: 0003's downgrade refuses while a destination relies on check_file, and the
-    downgrades of 0022 to 0004 before it are rolled back with it, so the database stays at a revision the
+    downgrades of 0023 to 0004 before it are rolled back with it, so the database stays at a revision the
     running release knows."""
     _, destination = await seed_tenant(db.admin)
     await db.admin.execute("UPDATE destinations SET hash_evidence = 'check_file' WHERE id = $1", destination)
     refused = await exports(db, "migrate", "--to", "0002")
     assert refused.code != 0, refused
     assert "ck_destinations_hash_evidence" in refused.stderr, refused
-    assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == "0022"
+    assert await db.admin.fetchval("SELECT version_num FROM alembic_version") == "0023"
     assert await db.admin.fetchval("SELECT to_regclass('partner_session_waits') IS NOT NULL")
 
 
@@ -150,7 +150,7 @@ async def test_a_migration_that_fails_on_a_statement_says_which_revision_the_dat
     assert "already exists" in failed.stderr and "at revision 0018 (from 0007)" in failed.stderr, failed
     await db.admin.execute("DROP INDEX ix_outbox_unpublished_job")
     ran = await exports(db, "migrate")
-    assert ran.code == 0 and await revision(db) == "0022", ran
+    assert ran.code == 0 and await revision(db) == "0023", ran
 
 
 @pytest.mark.spec("UP1")

@@ -18,7 +18,7 @@ import pytest_asyncio
 
 from activities import checkpoints
 from store.models import Status
-from tests.helpers.crash import crash_world, held_with_temporal_down, processes, start_worker
+from tests.helpers.crash import crash_world, forget_dead_worker, held_with_temporal_down, processes, start_worker
 from tests.helpers.events import events
 from tests.helpers.harness import Harness, held_at, release_held, run_recovery
 from tests.helpers.support import eventually
@@ -65,6 +65,46 @@ async def test_a_cutoff_2_given_up_by_temporal_while_its_worker_is_cut_off_from_
                                        timeout=30, interval=0.1, what="the late cutoff 2's answer")
         finally:
             release_held(h.settings, checkpoints.BEFORE_CUTOFF_2, job_id)
+            temporal.heal()
+    late = [e["kind"] for e in await events(h.db, job_id) if e["attempt_id"] == first]
+    assert verdict == "handed back" and "DeliveryAuthorized" not in late, (verdict, late)
+    assert marks == (first, first)
+
+
+@pytest.mark.spec("LV5")
+async def test_a_given_up_cutoff_2_is_marked_even_while_every_reachable_worker_is_building(crash_harness):
+    """The run's next read is a claim, which waits on the admission queue for a worker with a build slot free; with
+    every worker that reaches Temporal busy building (for hours, perhaps), the given-up step went on meanwhile and
+    authorized (found by review). The read right after a give-up goes to the shared queue and marks the attempt
+    without a build slot."""
+    h = crash_harness
+    async with processes(h) as started, TcpCutProxy(*temporal_upstream(h.client)) as temporal:
+        # Worker B: live, one build slot, which another export's build holds.
+        await start_worker(started, h, hold_at=checkpoints.BUILD_STARTED, max_builds=1)
+        other = await h.create()
+        await held_at(h.settings, checkpoints.BUILD_STARTED, other, timeout=60)
+        # Worker A: one build slot, reaches Temporal through the cut; the export is built there and held at cutoff 2.
+        await start_worker(started, h, hold_at=checkpoints.BEFORE_CUTOFF_2, max_builds=1,
+                           temporal_address=f"127.0.0.1:{temporal.port}")
+        job_id = await h.create()
+        await held_at(h.settings, checkpoints.BEFORE_CUTOFF_2, job_id, timeout=60)
+        first = (await h.store.read_job(job_id)).attempt_id
+        temporal.go_down()  # A still reaches PostgreSQL and the partner
+        await forget_dead_worker(h, job_id)
+        try:
+            await eventually(lambda: activity_runs(h, job_id),
+                             lambda runs: [r.outcome for r in named(runs, "authorize_delivery")] == ["timed_out"]
+                             and runs[-1].name == "claim_if_allowed" and runs[-1].outcome == "completed",
+                             timeout=60, interval=0.2, what="cutoff 2 given up and the row read on a busy fleet")
+            marks = await _marks(h, job_id)
+            # B's one slot is still taken (released only below): the read ran without a build slot.
+            assert (await h.store.read_job(other)).status is Status.RUNNING
+            release_held(h.settings, checkpoints.BEFORE_CUTOFF_2, job_id)  # the given-up step goes on
+            verdict = await eventually(lambda: _authorized_or_handed_back(h, job_id, first), lambda v: v is not None,
+                                       timeout=30, interval=0.1, what="the late cutoff 2's answer")
+        finally:
+            release_held(h.settings, checkpoints.BEFORE_CUTOFF_2, job_id)
+            release_held(h.settings, checkpoints.BUILD_STARTED, other)
             temporal.heal()
     late = [e["kind"] for e in await events(h.db, job_id) if e["attempt_id"] == first]
     assert verdict == "handed back" and "DeliveryAuthorized" not in late, (verdict, late)

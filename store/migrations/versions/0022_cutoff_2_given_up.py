@@ -10,9 +10,12 @@ names that attempt (`AdmitInput.given_up`) and marks it, and cutoff 2 refuses a 
   `Running` row of that attempt writes it (run_waits_on_attempt.sql); authorize_delivery.sql refuses an attempt it
   names. A claim step of another run, or one the run scheduled before it gave anything up, names no such attempt,
   so it can never mark the attempt that a live run drives (a mark written by any read did: review J).
-- The application may update it, in a renewal-shaped write, which the change check (0005) leaves alone; a new
-  export has none, and a queued row's own edits leave it alone (0021's lists, extended). It names an attempt, so
-  it never needs clearing. A forged mark costs that attempt (it is handed back), never a second delivery.
+- The application may update it, in a renewal-shaped write, which the change check (0005) leaves alone only
+  where it names the row's own attempt: cleared, or pointed at another attempt, the change is checked, and no
+  documented transition makes it, so it is refused (found by review: a cleared mark let the given-up step
+  authorize). A new export has none, and a queued row's own edits leave it alone (0021's lists, extended). It
+  names an attempt, so it never needs clearing. A forged mark costs that attempt (it is handed back), never a
+  second delivery.
 
 Nullable, no default: no table rewrite. Rolling back restores the two rule functions and drops the column; earlier
 releases let such a late cutoff 2 commit, and recovery takes the attempt back a hand-over window later.
@@ -40,15 +43,24 @@ CREATION = (
 
 QUEUED = tuple((f"{x}.run_waits_for)", f"{x}.run_waits_for, {x}.cutoff_2_given_up)") for x in ("n", "o"))
 
+# The renewal's list ends so (0010 added the fence); NULL-safe, as every condition of the rules.
+RENEWAL = (
+    ("o.rename_fence);\n",
+     "o.rename_fence)\n"
+     "               -- 0022: a renewal-shaped write may only mark the row's own attempt as given up\n"
+     "               OR (n.cutoff_2_given_up IS DISTINCT FROM o.cutoff_2_given_up\n"
+     "                   AND n.cutoff_2_given_up IS DISTINCT FROM n.attempt_id);\n"),
+)
+
 UPGRADE = (
     "ALTER TABLE export_jobs ADD COLUMN cutoff_2_given_up uuid",
     f"GRANT UPDATE ({APP_COLUMNS}) ON export_jobs TO exports_app",
     edit_function("0022", "exports_new_job_is_queued_with_its_wakeup", CREATION),
-    edit_function("0022", "exports_job_change_is_checked", QUEUED),
+    edit_function("0022", "exports_job_change_is_checked", QUEUED + RENEWAL),
 )
 
 DOWNGRADE = (
-    edit_function("0022", "exports_job_change_is_checked", QUEUED, undo=True),
+    edit_function("0022", "exports_job_change_is_checked", QUEUED + RENEWAL, undo=True),
     edit_function("0022", "exports_new_job_is_queued_with_its_wakeup", CREATION, undo=True),
     "ALTER TABLE export_jobs DROP COLUMN cutoff_2_given_up",
 )
