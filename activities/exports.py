@@ -107,11 +107,12 @@ class ExportActivities(BuildActivities, DeliveryActivities):
         if step is None:
             if request.given_up is not None:
                 # The run's read right after it gave a cutoff 2 up (on the shared queue): its mark needs no slot.
-                # Only a claim does, of a Queued row, or of the run's own attempt found by a retry.
+                # A claim does: a row this worker could claim is answered allowed and unclaimed, and the run claims
+                # on the admission queue at once. Only the run's own attempt, found by a retry, is retried here.
                 evaluation = await self._evaluate(request.job_id, own_attempt=request.attempt_id,
                                                   given_up=request.given_up)
                 row = evaluation.row
-                if row is None or (not evaluation.allowed and row.attempt_id != request.attempt_id):
+                if row is None or row.attempt_id != request.attempt_id:
                     return Admission(evaluation=evaluation, idle_recheck_seconds=self.settings.idle_recheck_seconds)
             raise ApplicationError("this worker's build slots are taken; the claim is scheduled again",
                                    type=error_types.WORKER_BUSY, next_retry_delay=timedelta(seconds=1))

@@ -178,8 +178,9 @@ class ExportWorkflow:
         attempt_id = workflow.uuid4()
         # Right after a cutoff 2 given up, on the shared queue: the read must mark the attempt before the step, if
         # it still runs, reaches cutoff 2, and it needs no build slot for that (a busy fleet would hold it back).
+        given_up = self._state.cutoff_2_given_up
         general = workflow.info().task_queue
-        queue = general if self._state.given_up_unread else admission_queue(general)
+        queue = general if given_up is not None else admission_queue(general)
         try:
             # On the admission queue, taken only by a worker with a build slot free: a Queued export waits here,
             # where no lease runs, never on a busy worker (LD1). Options are not replayed: unpatched. The bound
@@ -189,8 +190,9 @@ class ExportWorkflow:
             claiming = workflow.start_activity_method(
                 ExportActivities.claim_if_allowed,
                 # Inputs are not replayed either: a run that gave a cutoff 2 up names it (0.3.0), unpatched.
-                AdmitInput(job_id=job_id, attempt_id=attempt_id, given_up=self._state.cutoff_2_given_up),
-                summary="read row, evaluate policy, claim (on a worker with a build slot free)",
+                AdmitInput(job_id=job_id, attempt_id=attempt_id, given_up=given_up),
+                summary="read row, evaluate policy, claim (on a worker with a build slot free)" if given_up is None
+                else "read row (a cutoff 2 given up: marked), evaluate policy, claim if a build slot is free",
                 task_queue=queue,
                 schedule_to_start_timeout=_ADMISSION_WAIT,
                 # Keyed to the tenant (LD5): a run started without the key (by hand, or before 0.3.0) has it from
@@ -206,7 +208,7 @@ class ExportWorkflow:
             admission = await self._claim_unless_canceled_meanwhile(claiming)
             if admission is None:
                 return await self._canceled_while_claiming(job_id)
-            self._state.given_up_unread = False
+            self._state.cutoff_2_given_up = None
         except ActivityError as err:
             # Ended visibly (its failure is in the history); the row is read again at the next wake-up.
             workflow.logger.warning("reading or claiming export %s failed: %s; waiting for the row", job_id,
@@ -220,6 +222,8 @@ class ExportWorkflow:
                             show=claim is None or claim.result is not ClaimResult.CLAIMED)
         if row.status.is_settled:
             return row
+        if claim is None and admission.evaluation.allowed:
+            return None  # read on the shared queue by a busy worker (a cutoff 2 given up): claim where slots are
         if claim is not None and await self._attempt(row, attempt_id, claim, admission.attempt, show_steps=True):
             return None
         # Another attempt holds the row, or the claim is unconfirmed: the next wake-up, or a timer, re-reads.
@@ -374,7 +378,6 @@ class ExportWorkflow:
             # Cutoff 2 may or may not have committed: the row says which side the attempt is on. If its step still
             # runs (Temporal gave it up), the next read tells the row, so that the step authorizes nothing.
             self._state.cutoff_2_given_up = attempt.attempt_id
-            self._state.given_up_unread = True
             return False
         return authorized.result is AuthorizationResult.AUTHORIZED
 
@@ -442,7 +445,7 @@ class ExportWorkflow:
         # run would never hear of it, and the export would go on as if never cancelled.
         # Nor with a cutoff 2 given up and not yet marked: the new run would not know to mark it.
         return (self._cancellations.updates_on and workflow.info().is_continue_as_new_suggested()
-                and not self._state.temporal_cancel and not self._state.given_up_unread
+                and not self._state.temporal_cancel and self._state.cutoff_2_given_up is None
                 and self._cancellations.idle and workflow.all_handlers_finished())
 
     def _observe(self, row: JobRow | None, *, show: bool = True) -> JobRow:
@@ -460,6 +463,7 @@ class ExportWorkflow:
     # every run that 0.1.0 started has closed and the namespace's retention has passed: 0.3.0 at the earliest.
 
     async def _evaluate_then_attempt_before_0_2_0(self, job_id: uuid.UUID) -> JobRow | None:
+        self._state.cutoff_2_given_up = None  # its read cannot mark a cutoff 2 given up (a run of 0.1.0's steps)
         try:
             evaluation: Evaluation = await workflow.execute_activity_method(
                 ExportActivities.evaluate_policy, str(job_id), summary="read row, evaluate policy",

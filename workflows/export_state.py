@@ -51,10 +51,10 @@ class RunState:
         self.temporal_cancel = False  # Temporal's cancel of the run, not yet a stop request (the row is not known)
         self.build: workflow.ActivityHandle[BuildOutput] | None = None  # the build in flight, which a stop cancels
         self.delivered_row: JobRow | None = None  # the row the delivery's terminal write left, read back at once
-        # The attempt whose cutoff 2 the run gave up: its next reads name it, so that the step, if it goes on,
-        # authorizes nothing (run_waits_on_attempt.sql); until one has read the row, they need no build slot.
+        # The attempt whose cutoff 2 the run gave up, until its next read has named it, so that the step, if it
+        # goes on, authorizes nothing (run_waits_on_attempt.sql). Once read, the row can never be that attempt's
+        # Running row again unmarked.
         self.cutoff_2_given_up: uuid.UUID | None = None
-        self.given_up_unread = False
         self.idle_recheck = IDLE_RECHECK
         self.why = ""  # how the last step ended, for the UI
 

@@ -5,6 +5,6 @@ SELECT id, tenant_id, status, version, destination_id, attempt_id, attempt_count
        expected_file_bytes, expected_file_sha256, delivery_authorized_at, woken_at, failure_reason,
        delivery_key, replaces_job_id, created_by, replacement_reason, overwrite_agreement_ref,
        sweep_count, confirmed_by, rejection_reason, final_name, rename_fence, handed_back_count, run_waits_for,
-       handed_back_attempt
+       handed_back_attempt, cutoff_2_given_up
 FROM export_jobs WHERE id = :job_id AND tenant_id = :tenant_id
 FOR UPDATE;

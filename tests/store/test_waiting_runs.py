@@ -10,7 +10,8 @@ from collections.abc import Awaitable
 import pytest
 
 from store.jobs import JobStore
-from store.models import AuthorizationResult, CancellationOutcome, FailureCode, Status
+from store.models import AuthorizationResult, CancellationOutcome, ClaimResult, FailureCode, Status
+from store.recovery import Recovery
 from tests.helpers.events import events, kinds
 from tests.helpers.store_states import built_file, cancel, drive, expire, outbox
 from tests.helpers.support import create_job, seed_tenant
@@ -130,3 +131,48 @@ async def test_a_given_up_mark_on_a_row_past_cutoff_2_is_not_written(db, store):
     job_id, attempt_id = await delivering(store, db)
     assert await store.run_waits_on_attempt(job_id, attempt_id, attempt_id)
     assert await given_up_mark(db, job_id) is None
+
+
+@pytest.mark.spec("LV5")
+async def test_a_stale_given_up_mark_refuses_none_of_the_later_attempts_writes(db, store, app_engine, tenant):
+    """A mark names one attempt for good (0022): every write of a later attempt goes through, from the claim to the
+    terminal write, the fence and its retry included (found sound by review)."""
+    recovery = Recovery(app_engine, max_attempts=5, on_ended=lambda _s: None)
+    job_id = await create_job(store, *tenant)
+    a1 = await drive(store, job_id, Status.RUNNING)
+    assert await store.run_waits_on_attempt(job_id, a1, a1)  # the run gave a1's cutoff 2 up
+    assert await store.release_lease(job_id, a1, "worker-test")  # the step handed it back
+    await expire(db, job_id)
+    [candidate] = [c for c in await recovery.nominate(limit=10) if c.job_id == job_id]
+    assert await recovery.take_over_running(candidate, uuid.uuid4()) is not None
+    row = await store.read_job(job_id)
+    assert row.status is Status.QUEUED
+    assert await db.admin.fetchval("SELECT cutoff_2_given_up FROM export_jobs WHERE id = $1", job_id) == a1
+    a2 = uuid.uuid4()
+    assert await store.claim(job_id, row.version, a2, "worker-test") is ClaimResult.CLAIMED
+    assert await store.renew_lease(job_id, a2)
+    assert await store.run_waits_on_attempt(job_id, a2)
+    assert await store.run_waits_on_attempt(job_id, a2, a1)  # a later read still naming a1
+    row = await store.read_job(job_id)
+    assert await store.authorize_delivery(row, a2, built_file(row.final_name)) is AuthorizationResult.AUTHORIZED
+    assert await store.renew_lease(job_id, a2)
+    assert await store.pass_rename_fence(job_id, a2, "worker-test", "worker-test/t", {"step": "rename"})
+    assert await store.pass_rename_fence(job_id, a2, "worker-test", "worker-test/t", {"step": "rename"})
+    assert await store.finish_delivery(job_id, a2, Status.COMPLETED, None, "done", confirmed_by="size")
+    assert (await store.read_job(job_id)).status is Status.COMPLETED
+
+
+@pytest.mark.spec("LV5")
+async def test_a_later_attempt_given_up_too_is_marked_and_its_stop_recorded(db, store, app_engine, tenant):
+    recovery = Recovery(app_engine, max_attempts=5, on_ended=lambda _s: None)
+    job_id = await create_job(store, *tenant)
+    a1 = await drive(store, job_id, Status.RUNNING)
+    assert await store.run_waits_on_attempt(job_id, a1, a1)
+    await expire(db, job_id)
+    [candidate] = [c for c in await recovery.nominate(limit=10) if c.job_id == job_id]
+    assert await recovery.take_over_running(candidate, uuid.uuid4()) is not None
+    a2 = await drive(store, job_id, Status.RUNNING)
+    assert await store.run_waits_on_attempt(job_id, a2, a2)  # a2 given up too: the mark moves to the row's own
+    await cancel(store, tenant[0], job_id)
+    assert await store.finish_stopped(job_id, a2, "WhileBuilding")
+    assert (await store.read_job(job_id)).status is Status.STOPPED, kinds(await events(db, job_id))

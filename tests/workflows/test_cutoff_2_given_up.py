@@ -21,6 +21,7 @@ from store.models import Status
 from tests.helpers.crash import crash_world, forget_dead_worker, held_with_temporal_down, processes, start_worker
 from tests.helpers.events import events
 from tests.helpers.harness import Harness, held_at, release_held, run_recovery
+from tests.helpers.store_states import expire
 from tests.helpers.support import eventually
 from tests.helpers.tcp_cut import TcpCutProxy, temporal_upstream
 from tests.workflows.test_crash import activity_runs, named
@@ -109,6 +110,50 @@ async def test_a_given_up_cutoff_2_is_marked_even_while_every_reachable_worker_i
     late = [e["kind"] for e in await events(h.db, job_id) if e["attempt_id"] == first]
     assert verdict == "handed back" and "DeliveryAuthorized" not in late, (verdict, late)
     assert marks == (first, first)
+
+
+@pytest.mark.spec("LV5")
+async def test_a_given_up_cutoff_2_whose_row_is_queued_by_then_is_claimed_once_a_slot_frees(long_lease_harness):
+    """The read after the give-up, on the shared queue, may find the row Queued (recovery took the dead worker's
+    attempt back first) on a worker with no build slot: it must not be retried there until its tries run out and the
+    run waits its idle recheck (5 minutes; found by review), but answered, and the run claims on the admission queue,
+    where the first free slot takes it."""
+    h = long_lease_harness
+    async with processes(h) as started:
+        # Worker B: one build slot, which another export's build holds (the fleet is busy).
+        await start_worker(started, h, hold_at=checkpoints.BUILD_STARTED, max_builds=1)
+        other = await h.create()
+        await held_at(h.settings, checkpoints.BUILD_STARTED, other, timeout=60)
+        # Worker A: the export is built there and held at cutoff 2; then A dies.
+        a = await start_worker(started, h, hold_at=checkpoints.BEFORE_CUTOFF_2, max_builds=1)
+        job_id = await h.create()
+        await held_at(h.settings, checkpoints.BEFORE_CUTOFF_2, job_id, timeout=60)
+        first = (await h.store.read_job(job_id)).attempt_id
+        a.kill()
+        await forget_dead_worker(h, job_id)
+        # Recovery takes the attempt back before Temporal gives its cutoff 2 up (heartbeat timeout, one lease).
+        await expire(h.db, job_id)
+        await asyncio.wait_for(run_recovery(h.client, h.settings), timeout=30)
+        assert (await h.store.read_job(job_id)).status is Status.QUEUED
+        try:
+            runs = await eventually(
+                lambda: activity_runs(h, job_id),
+                lambda rs: [r.outcome for r in named(rs, "authorize_delivery")] == ["timed_out"]
+                and [r.outcome for r in named(rs, "claim_if_allowed")][1:2] == ["completed"],
+                timeout=60, interval=0.2, what="cutoff 2 given up and the row read on the shared queue")
+            read = named(runs, "claim_if_allowed")[1]
+            assert (await h.store.read_job(job_id)).status is Status.QUEUED  # B was busy: nothing claimed yet
+            release_held(h.settings, checkpoints.BUILD_STARTED, other)  # B's slot frees
+            claimed = await eventually(lambda: h.store.read_job(job_id), lambda r: r.status is not Status.QUEUED,
+                                       timeout=45, interval=0.2, what="the export claimed once B's slot was free")
+            release_held(h.settings, checkpoints.BUILD_STARTED, job_id)  # B holds every build at its start
+        finally:
+            release_held(h.settings, checkpoints.BUILD_STARTED, other)
+            release_held(h.settings, checkpoints.BUILD_STARTED, job_id)
+        row = await h.settled(job_id)
+    assert read.task_queue == h.settings.task_queue, read.task_queue  # the shared queue
+    assert claimed.attempt_id != first and claimed.attempt_count == 2, claimed
+    assert row.status is Status.COMPLETED, row
 
 
 @pytest_asyncio.fixture

@@ -219,3 +219,5 @@ class JobRow(BaseModel):
     run_waits_for: UUID | None = None
     # The last attempt whose hand-back was counted (migration 0018): recovery counts it under the hand-back cap only.
     handed_back_attempt: UUID | None = None
+    # The attempt whose cutoff 2 its run gave up (migration 0022): cutoff 2 refuses it. Added in 0.3.0.
+    cutoff_2_given_up: UUID | None = None
