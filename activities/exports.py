@@ -102,18 +102,18 @@ class ExportActivities(BuildActivities, DeliveryActivities):
     async def claim_if_allowed(self, request: AdmitInput) -> Admission:
         """Read the row, evaluate policy (its only write is the conditional rejection) and, if allowed, claim at the
         version read (cutoff 1): two documented statements, one step. A retry whose first try's claim committed
-        finds its attempt in the row; one whose attempt ID a requeue has spent since is Lost."""
+        finds its attempt in the row; one whose attempt ID a requeue has spent since is Lost.
+
+        With `given_up` (the run's read right after it gave a cutoff 2 up, on the shared queue, where any worker
+        takes it: the mark must not wait for a build slot), it reads and marks only, and never claims: a claim
+        there would take a slot that no admission poll's ticket counted, and a late try of it could claim an
+        attempt the run no longer drives. A row it could claim is answered allowed and unclaimed; the run then
+        claims on the admission queue."""
+        if request.given_up is not None:
+            evaluation = await self._evaluate(request.job_id, given_up=request.given_up)
+            return Admission(evaluation=evaluation, idle_recheck_seconds=self.settings.idle_recheck_seconds)
         step = self.capacity.builds.claim_started()
         if step is None:
-            if request.given_up is not None:
-                # The run's read right after it gave a cutoff 2 up (on the shared queue): its mark needs no slot.
-                # A claim does: a row this worker could claim is answered allowed and unclaimed, and the run claims
-                # on the admission queue at once. Only the run's own attempt, found by a retry, is retried here.
-                evaluation = await self._evaluate(request.job_id, own_attempt=request.attempt_id,
-                                                  given_up=request.given_up)
-                row = evaluation.row
-                if row is None or row.attempt_id != request.attempt_id:
-                    return Admission(evaluation=evaluation, idle_recheck_seconds=self.settings.idle_recheck_seconds)
             raise ApplicationError("this worker's build slots are taken; the claim is scheduled again",
                                    type=error_types.WORKER_BUSY, next_retry_delay=timedelta(seconds=1))
         token = _CLAIM_STEP.set(step)
@@ -124,7 +124,7 @@ class ExportActivities(BuildActivities, DeliveryActivities):
             self.capacity.builds.claim_ended(step)
 
     async def _admit(self, request: AdmitInput) -> Admission:
-        evaluation = await self._evaluate(request.job_id, own_attempt=request.attempt_id, given_up=request.given_up)
+        evaluation = await self._evaluate(request.job_id, own_attempt=request.attempt_id)
         row = evaluation.row
         if row is not None and row.status is Status.RUNNING and row.attempt_id == request.attempt_id:
             found = self._claim_output(ClaimResult.CLAIMED, row.id, request.attempt_id,
@@ -141,8 +141,7 @@ class ExportActivities(BuildActivities, DeliveryActivities):
             if not self.capacity.shares.reserve(row.destination_id, key):
                 # Its destination holds its share of this worker (LD4): wait here, then read the row again.
                 await self._room_at(row.destination_id, key)
-                evaluation = await self._evaluate(request.job_id, own_attempt=request.attempt_id,
-                                                  given_up=request.given_up)
+                evaluation = await self._evaluate(request.job_id, own_attempt=request.attempt_id)
                 row = evaluation.row
                 if row is None or not evaluation.allowed:
                     return Admission(evaluation=evaluation, idle_recheck_seconds=self.settings.idle_recheck_seconds)

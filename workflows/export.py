@@ -176,8 +176,9 @@ class ExportWorkflow:
         """Policy and the claim in one step, then the attempt if claimed. The settled row, or None to read the row
         again."""
         attempt_id = workflow.uuid4()
-        # Right after a cutoff 2 given up, on the shared queue: the read must mark the attempt before the step, if
-        # it still runs, reaches cutoff 2, and it needs no build slot for that (a busy fleet would hold it back).
+        # Right after a cutoff 2 given up, on the shared queue and a read only (it claims nothing): it must mark the
+        # attempt before the step, if it still runs, reaches cutoff 2, and needs no build slot for that (a busy
+        # fleet would hold it back). A 0.2.0 worker that takes it ignores `given_up` and may claim, as 0.2.0 does.
         given_up = self._state.cutoff_2_given_up
         general = workflow.info().task_queue
         queue = general if given_up is not None else admission_queue(general)
@@ -192,7 +193,7 @@ class ExportWorkflow:
                 # Inputs are not replayed either: a run that gave a cutoff 2 up names it (0.3.0), unpatched.
                 AdmitInput(job_id=job_id, attempt_id=attempt_id, given_up=given_up),
                 summary="read row, evaluate policy, claim (on a worker with a build slot free)" if given_up is None
-                else "read row (a cutoff 2 given up: marked), evaluate policy, claim if a build slot is free",
+                else "read row, marking the attempt whose cutoff 2 was given up (no claim)",
                 task_queue=queue,
                 schedule_to_start_timeout=_ADMISSION_WAIT,
                 # Keyed to the tenant (LD5): a run started without the key (by hand, or before 0.3.0) has it from
@@ -223,7 +224,7 @@ class ExportWorkflow:
         if row.status.is_settled:
             return row
         if claim is None and admission.evaluation.allowed:
-            return None  # read on the shared queue by a busy worker (a cutoff 2 given up): claim where slots are
+            return None  # the read after a cutoff 2 given up claims nothing: claim on the admission queue now
         if claim is not None and await self._attempt(row, attempt_id, claim, admission.attempt, show_steps=True):
             return None
         # Another attempt holds the row, or the claim is unconfirmed: the next wake-up, or a timer, re-reads.

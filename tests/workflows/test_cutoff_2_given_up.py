@@ -13,16 +13,19 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import asyncssh
 import pytest
 import pytest_asyncio
 
 from activities import checkpoints
+from activities.contracts import AdmitInput
+from activities.exports import ExportActivities
 from store.models import Status
 from tests.helpers.crash import crash_world, forget_dead_worker, held_with_temporal_down, processes, start_worker
 from tests.helpers.events import events
 from tests.helpers.harness import Harness, held_at, release_held, run_recovery
-from tests.helpers.store_states import expire
-from tests.helpers.support import eventually
+from tests.helpers.store_states import drive, expire
+from tests.helpers.support import create_job, eventually, seed_tenant
 from tests.helpers.tcp_cut import TcpCutProxy, temporal_upstream
 from tests.workflows.test_crash import activity_runs, named
 from workflows.identity import export_workflow_id
@@ -215,3 +218,32 @@ async def test_a_claim_step_of_a_terminated_run_reading_late_never_marks_the_liv
     assert live == [("claim_if_allowed", "completed"), ("build", "completed"), ("authorize_delivery", None)], live
     assert verdict == "authorized"
     assert row.status is Status.COMPLETED and row.attempt_id == attempt and row.attempt_count == 1, row
+
+
+@pytest.mark.spec("LV5")
+async def test_the_read_after_a_give_up_claims_nothing_even_on_a_worker_with_slots_free(db, store):
+    """The read after a give-up runs on the shared queue, where no admission poll's ticket counts a claim: one made
+    there took a build slot uncounted (a worker could hold more than its limit), and a late try of it could claim
+    under an attempt ID the run had dropped, leaving the row to an attempt no run drives (found by review). It reads
+    and marks only; the run claims on the admission queue."""
+    host_key = asyncssh.generate_private_key("ssh-ed25519").export_public_key().decode().strip()
+    tenant_id, destination_id = await seed_tenant(db.admin, destination={
+        "host": "127.0.0.1", "port": 22, "username": "exports", "final_dir": "/outbound",
+        "temp_dir": "/incoming-tmp", "host_key": host_key, "credential_ref": "file:/none"})
+    settings = db.settings(task_queue=f"given-up-{uuid.uuid4().hex[:8]}", max_builds=4, max_uploads=4)
+    activities = ExportActivities(store, settings, worker_id="worker-test", worker_task_queue="given-up-own")
+    try:
+        queued, running = [await create_job(store, tenant_id, destination_id) for _ in range(2)]
+        given_up = await drive(store, running, Status.RUNNING)
+        answers = [await activities.claim_if_allowed(AdmitInput(job_id=job_id, attempt_id=uuid.uuid4(),
+                                                                given_up=given_up))
+                   for job_id in (queued, running)]
+        assert [(a.claim, a.evaluation.allowed, a.evaluation.row.status) for a in answers] == [
+            (None, True, Status.QUEUED), (None, False, Status.RUNNING)]
+        assert activities.capacity.builds.in_use == 0  # no slot taken, none counted
+        row = await store.read_job(queued)
+        assert (row.status, row.attempt_count) == (Status.QUEUED, 0)
+        assert await db.admin.fetchval("SELECT cutoff_2_given_up FROM export_jobs WHERE id = $1", running) \
+            == given_up
+    finally:
+        await activities.close()
