@@ -107,10 +107,12 @@ class ExportActivities(BuildActivities, DeliveryActivities):
         With `given_up` (the run's read right after it gave a cutoff 2 up, on the shared queue, where any worker
         takes it: the mark must not wait for a build slot), it reads and marks only, and never claims: a claim
         there would take a slot that no admission poll's ticket counted, and a late try of it could claim an
-        attempt the run no longer drives. A row it could claim is answered allowed and unclaimed; the run then
-        claims on the admission queue."""
+        attempt the run no longer drives. A row it could claim is answered allowed and unclaimed, with a wake-up
+        (the run waits for one, as 0.2.0's does after such an answer, and then claims on the admission queue)."""
         if request.given_up is not None:
             evaluation = await self._evaluate(request.job_id, given_up=request.given_up)
+            if evaluation.allowed:
+                await self.store.wake_run(request.job_id)
             return Admission(evaluation=evaluation, idle_recheck_seconds=self.settings.idle_recheck_seconds)
         step = self.capacity.builds.claim_started()
         if step is None:

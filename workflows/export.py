@@ -178,7 +178,9 @@ class ExportWorkflow:
         attempt_id = workflow.uuid4()
         # Right after a cutoff 2 given up, on the shared queue and a read only (it claims nothing): it must mark the
         # attempt before the step, if it still runs, reaches cutoff 2, and needs no build slot for that (a busy
-        # fleet would hold it back). A 0.2.0 worker that takes it ignores `given_up` and may claim, as 0.2.0 does.
+        # fleet would hold it back). A row it could claim comes with a wake-up, and the run claims on the
+        # admission queue once woken: the same commands as 0.2.0's for an unclaimed answer, so a rollback replays
+        # it. A 0.2.0 worker that takes it ignores `given_up` and may claim, as 0.2.0 does.
         given_up = self._state.cutoff_2_given_up
         general = workflow.info().task_queue
         queue = general if given_up is not None else admission_queue(general)
@@ -223,8 +225,6 @@ class ExportWorkflow:
                             show=claim is None or claim.result is not ClaimResult.CLAIMED)
         if row.status.is_settled:
             return row
-        if claim is None and admission.evaluation.allowed:
-            return None  # the read after a cutoff 2 given up claims nothing: claim on the admission queue now
         if claim is not None and await self._attempt(row, attempt_id, claim, admission.attempt, show_steps=True):
             return None
         # Another attempt holds the row, or the claim is unconfirmed: the next wake-up, or a timer, re-reads.
