@@ -346,8 +346,8 @@ class JobStore(RoleStore):
         await self._write("release_partner_session", job_id=job_id, attempt_id=attempt_id)
 
     async def wake_run(self, job_id: UUID) -> bool:
-        """A wake-up for the export's run (wake_behind_run.sql); False when one was already on its way."""
-        return await self._write("wake_behind_run", job_id=job_id) == 1
+        """A wake-up for the export's run (wake_run.sql); False when there is no such export."""
+        return await self._write("wake_run", job_id=job_id) == 1
 
     async def run_waits_on_attempt(self, job_id: UUID, attempt_id: UUID, given_up: UUID | None = None) -> bool:
         """A run found the row `Running` or `Delivering` under `attempt_id` and waits: the attempt's terminal write

@@ -24,7 +24,7 @@ from store.models import Status
 from tests.helpers.crash import crash_world, forget_dead_worker, held_with_temporal_down, processes, start_worker
 from tests.helpers.events import events
 from tests.helpers.harness import Harness, held_at, release_held, run_recovery
-from tests.helpers.store_states import drive, expire
+from tests.helpers.store_states import drive, expire, outbox
 from tests.helpers.support import create_job, eventually, seed_tenant
 from tests.helpers.tcp_cut import TcpCutProxy, temporal_upstream
 from tests.workflows.test_crash import activity_runs, named
@@ -225,7 +225,9 @@ async def test_the_read_after_a_give_up_claims_nothing_even_on_a_worker_with_slo
     """The read after a give-up runs on the shared queue, where no admission poll's ticket counts a claim: one made
     there took a build slot uncounted (a worker could hold more than its limit), and a late try of it could claim
     under an attempt ID the run had dropped, leaving the row to an attempt no run drives (found by review). It reads
-    and marks only; the run claims on the admission queue."""
+    and marks only; for a claimable row it writes a wake-up, even with an older one still unpublished (the
+    dispatcher signals before it marks a row published, so that one may have been spent already), and the run,
+    woken, claims on the admission queue."""
     host_key = asyncssh.generate_private_key("ssh-ed25519").export_public_key().decode().strip()
     tenant_id, destination_id = await seed_tenant(db.admin, destination={
         "host": "127.0.0.1", "port": 22, "username": "exports", "final_dir": "/outbound",
@@ -235,12 +237,15 @@ async def test_the_read_after_a_give_up_claims_nothing_even_on_a_worker_with_slo
     try:
         queued, running = [await create_job(store, tenant_id, destination_id) for _ in range(2)]
         given_up = await drive(store, running, Status.RUNNING)
+        before = [len(await outbox(db, job_id)) for job_id in (queued, running)]  # the creations' own, unpublished
         answers = [await activities.claim_if_allowed(AdmitInput(job_id=job_id, attempt_id=uuid.uuid4(),
                                                                 given_up=given_up))
                    for job_id in (queued, running)]
         assert [(a.claim, a.evaluation.allowed, a.evaluation.row.status) for a in answers] == [
             (None, True, Status.QUEUED), (None, False, Status.RUNNING)]
         assert activities.capacity.builds.in_use == 0  # no slot taken, none counted
+        assert [len(await outbox(db, job_id)) - n for job_id, n in zip((queued, running), before, strict=True)] \
+            == [1, 0]
         row = await store.read_job(queued)
         assert (row.status, row.attempt_count) == (Status.QUEUED, 0)
         assert await db.admin.fetchval("SELECT cutoff_2_given_up FROM export_jobs WHERE id = $1", running) \
