@@ -1,5 +1,6 @@
 -- State and ownership read together: whether an uncertain claim, cutoff 2 or rename fence committed, and why
--- cutoff 2 was refused (run_gave_up: its run gave it up, run_waits_on_attempt.sql). The version tells an uncertain claim whether the row is still as it checked it.
+-- cutoff 2 was refused (run_gave_up: its run gave it up, run_waits_on_attempt.sql). The version tells an uncertain
+-- claim whether the row is still as it checked it.
 SELECT j.status, j.attempt_id, j.claimed_by, j.version, j.stop_request_id IS NOT NULL AS stop_recorded,
        j.rename_fence,
        j.lease_expires_at > clock_timestamp() AS lease_current,

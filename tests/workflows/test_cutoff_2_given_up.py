@@ -48,6 +48,14 @@ async def _marks(h: Harness, job_id: uuid.UUID) -> tuple[uuid.UUID | None, uuid.
     return row["run_waits_for"], row["cutoff_2_given_up"]
 
 
+async def assert_refused_and_handed_back(h: Harness, job_id: uuid.UUID, attempt: uuid.UUID, verdict: str | None,
+                                        marks: tuple[uuid.UUID | None, uuid.UUID | None]) -> None:
+    """The late cutoff 2 authorized nothing and handed its attempt back, which the run's read had marked."""
+    late = [e["kind"] for e in await events(h.db, job_id) if e["attempt_id"] == attempt]
+    assert verdict == "handed back" and "DeliveryAuthorized" not in late, (verdict, late)
+    assert marks == (attempt, attempt)
+
+
 @pytest.mark.spec("LV5")
 async def test_a_cutoff_2_given_up_by_temporal_while_its_worker_is_cut_off_from_it_authorizes_nothing(crash_harness):
     """The worker at cutoff 2 is cut off from Temporal, not from PostgreSQL or the partner (as one waiting there for
@@ -70,9 +78,7 @@ async def test_a_cutoff_2_given_up_by_temporal_while_its_worker_is_cut_off_from_
         finally:
             release_held(h.settings, checkpoints.BEFORE_CUTOFF_2, job_id)
             temporal.heal()
-    late = [e["kind"] for e in await events(h.db, job_id) if e["attempt_id"] == first]
-    assert verdict == "handed back" and "DeliveryAuthorized" not in late, (verdict, late)
-    assert marks == (first, first)
+    await assert_refused_and_handed_back(h, job_id, first, verdict, marks)
 
 
 @pytest.mark.spec("LV5")
@@ -110,9 +116,7 @@ async def test_a_given_up_cutoff_2_is_marked_even_while_every_reachable_worker_i
             release_held(h.settings, checkpoints.BEFORE_CUTOFF_2, job_id)
             release_held(h.settings, checkpoints.BUILD_STARTED, other)
             temporal.heal()
-    late = [e["kind"] for e in await events(h.db, job_id) if e["attempt_id"] == first]
-    assert verdict == "handed back" and "DeliveryAuthorized" not in late, (verdict, late)
-    assert marks == (first, first)
+    await assert_refused_and_handed_back(h, job_id, first, verdict, marks)
 
 
 @pytest.mark.spec("LV5")
