@@ -13,7 +13,12 @@ nor its holder and writing no evidence, passed it: recovery then resolved that a
   the workers share one role, so a worker may name another's holder; the rule binds the fence to the attempt that
   holds the row, not to a process.
 
-Rolling back restores the branch as 0010 left it.
+- `ix_attempt_events_evidence`: a partial index of the evidence records by export and attempt, so that the
+  check, run at the commit of every fence pass under the row lock, finds the record without scanning every event
+  (the table is never pruned; found by review). Building it reads the table once and holds back its inserts
+  meanwhile, as 0014's and 0015's do, which the stopped workers make harmless.
+
+Rolling back restores the branch as 0022 left it and drops the index.
 
 Revision ID: 0023
 Revises: 0022
@@ -43,9 +48,16 @@ GR1 = (
      "                    ' in the same transaction';\n"),
 )
 
-UPGRADE = (edit_function("0023", "exports_job_change_has_its_event", GR1),)
+UPGRADE = (
+    "CREATE INDEX ix_attempt_events_evidence ON export_attempt_events (job_id, attempt_id)"
+    " WHERE kind = 'DeliveryEvidence'",
+    edit_function("0023", "exports_job_change_has_its_event", GR1),
+)
 
-DOWNGRADE = (edit_function("0023", "exports_job_change_has_its_event", GR1, undo=True),)
+DOWNGRADE = (
+    edit_function("0023", "exports_job_change_has_its_event", GR1, undo=True),
+    "DROP INDEX ix_attempt_events_evidence",
+)
 
 
 def upgrade() -> None:
