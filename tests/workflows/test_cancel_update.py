@@ -42,9 +42,11 @@ BOUND = 60.0
 SIGNAL_CAP = 40
 # For the run that continues as new: Temporal suggests it after this many events, fewer than the cap on signals (as
 # with the server's defaults, 4,096 and 10,000), so that signals alone bring the suggestion however many of them a
-# busy worker takes in one workflow task; the rest of the cap is the margin for that task's round trip.
+# busy worker takes in one workflow task; the rest of the cap is the margin for that task's round trip, and for a
+# new run's start and first read. 170 signals of margin were once too few on a loaded CI machine (the server's
+# defaults leave about 6,000).
 SUGGEST_AFTER = 30
-FLOOD_CAP = 200
+FLOOD_CAP = 400
 # The server's quota of Updates per run (history.maxTotalUpdates, 2,000 by default), lowered likewise.
 UPDATE_CAP = 20
 EARLY = patches.CANCEL_UPDATE
