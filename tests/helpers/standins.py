@@ -16,6 +16,10 @@ from temporalio.worker import Worker
 from activities.contracts import (
     Admission,
     AdmitInput,
+    AttemptInput,
+    AuthorizeInput,
+    AuthorizeOutput,
+    BuildOutput,
     CancelBatch,
     CancelBatchOutput,
     CancelOutput,
@@ -26,10 +30,28 @@ from activities.contracts import (
     Wake,
 )
 from store.models import CancellationOutcome, CancellationResult, FailureCode, JobRow, Status
+from tests.helpers.store_states import built_file
 from tests.helpers.support import eventually
 from workflows import patches
 from workflows.export import ExportWorkflow
 from workflows.identity import admission_queue, export_workflow_id
+
+
+def cutoff_2_given_up_steps(queue: str, fail_when: asyncio.Event | None = None) -> list:
+    """A build that hands its file to `queue`, and a cutoff 2 that fails as one Temporal gave up does (once
+    `fail_when` is set, if given): the steps before the run's read after a give-up."""
+
+    @activity.defn(name="build")
+    async def build(attempt: AttemptInput) -> BuildOutput:
+        return BuildOutput(file=built_file(attempt.job.final_name), worker_task_queue=queue)
+
+    @activity.defn(name="authorize_delivery")
+    async def authorize_delivery(_: AuthorizeInput) -> AuthorizeOutput:
+        if fail_when is not None:
+            await asyncio.wait_for(fail_when.wait(), 60)
+        raise ApplicationError("stand-in: Temporal gave cutoff 2 up", non_retryable=True)
+
+    return [build, authorize_delivery]
 
 
 async def woken_while_recording_a_cancel(client: Client) -> tuple[WorkflowHandle, ExportResult, list[Status]]:

@@ -17,16 +17,11 @@ import pytest
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer, Worker
 
 from activities.contracts import (
     Admission,
     AdmitInput,
-    AttemptInput,
-    AuthorizeInput,
-    AuthorizeOutput,
-    BuildOutput,
     ClaimOutput,
     ClaimResult,
     Evaluation,
@@ -34,8 +29,9 @@ from activities.contracts import (
     ExportResult,
     Wake,
 )
-from store.models import BuiltFile, JobRow, Status
+from store.models import JobRow, Status
 from tests.helpers.releases import ReleaseCode, previous_release, release_code
+from tests.helpers.standins import cutoff_2_given_up_steps
 from tests.replay.history_files import load
 from workflows import patches
 from workflows.export import ExportWorkflow
@@ -75,17 +71,8 @@ async def _given_up_history(client: Client, tmp_path: Path, found: Status) -> tu
             return Admission(evaluation=Evaluation(row=row(Status.RUNNING, request.given_up)))  # marked; waits
         return Admission(evaluation=Evaluation(row=row(Status.REJECTED)))
 
-    @activity.defn(name="build")
-    async def build(attempt: AttemptInput) -> BuildOutput:
-        return BuildOutput(file=BuiltFile(path="/nonexistent", final_name=attempt.job.final_name, size=1,
-                                          sha256_hex="0" * 64, holder="worker-x"), worker_task_queue=queue)
-
-    @activity.defn(name="authorize_delivery")
-    async def authorize_delivery(_: AuthorizeInput) -> AuthorizeOutput:
-        raise ApplicationError("stand-in: Temporal gave cutoff 2 up", non_retryable=True)
-
     async with Worker(client, task_queue=queue, workflows=[ExportWorkflow],
-                      activities=[claim_if_allowed, build, authorize_delivery],
+                      activities=[claim_if_allowed, *cutoff_2_given_up_steps(queue)],
                       patch_activation_callback=patches.activates), \
             Worker(client, task_queue=admission_queue(queue), activities=[claim_if_allowed]):
         handle = await client.start_workflow(ExportWorkflow.run, ExportInput(job_id=job_id),

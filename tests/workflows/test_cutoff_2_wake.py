@@ -27,10 +27,6 @@ from temporalio.worker import Worker
 from activities.contracts import (
     Admission,
     AdmitInput,
-    AttemptInput,
-    AuthorizeInput,
-    AuthorizeOutput,
-    BuildOutput,
     ClaimOutput,
     Evaluation,
     ExportInput,
@@ -43,8 +39,9 @@ from store.db import asyncpg_dsn, make_engine
 from store.models import ClaimResult, Status
 from store.outbox import Outbox
 from store.recovery import Recovery
-from tests.helpers.store_states import built_file, expire
-from tests.helpers.support import create_job, seed_tenant
+from tests.helpers.standins import cutoff_2_given_up_steps
+from tests.helpers.store_states import expire
+from tests.helpers.support import create_job, eventually, seed_tenant
 from workflows import patches
 from workflows.export import ExportWorkflow
 from workflows.identity import admission_queue, export_workflow_id
@@ -54,13 +51,11 @@ CLAIM_BOUND = 20.0
 
 
 async def _history_has(handle, event_type, bound: float = 30.0) -> None:
-    deadline = time.monotonic() + bound
-    while time.monotonic() < deadline:
-        async for event in handle.fetch_history_events():
-            if event.event_type == event_type:
-                return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"no {event_type} in the run's history within {bound} s")
+    async def types() -> set:
+        return {event.event_type async for event in handle.fetch_history_events()}
+
+    await eventually(types, lambda found: event_type in found, timeout=bound, interval=0.1,
+                     what=f"{event_type} in the run's history")
 
 
 @pytest.mark.parametrize("signalled_before_read", [True, False],
@@ -108,22 +103,13 @@ async def test_the_run_is_woken_after_a_given_up_read_finds_its_row_queued(db, s
         admission_claims.append(time.monotonic())
         return Admission(evaluation=Evaluation(row=row.model_copy(update={"status": Status.CANCELED})))
 
-    @activity.defn(name="build")
-    async def build(attempt: AttemptInput) -> BuildOutput:
-        return BuildOutput(file=built_file(attempt.job.final_name), worker_task_queue=queue)
-
-    @activity.defn(name="authorize_delivery")
-    async def authorize_delivery(_: AuthorizeInput) -> AuthorizeOutput:
-        await asyncio.wait_for(authorize_may_fail.wait(), 60)
-        raise ApplicationError("stand-in: Temporal gave cutoff 2 up", non_retryable=True)
-
     engine = make_engine(db.url("dispatcher"))
     dispatcher = OutboxDispatcher(client, Outbox(engine), asyncpg_dsn(db.url("dispatcher")), task_queue=queue,
                                   poll_seconds=0.2)
     recovery = Recovery(app_engine, max_attempts=3)
     try:
         async with Worker(client, task_queue=queue, workflows=[ExportWorkflow],
-                          activities=[shared_claim_if_allowed, build, authorize_delivery],
+                          activities=[shared_claim_if_allowed, *cutoff_2_given_up_steps(queue, authorize_may_fail)],
                           patch_activation_callback=patches.activates), \
                 Worker(client, task_queue=admission_queue(queue), activities=[admission_claim_if_allowed]):
             handle = await client.start_workflow(ExportWorkflow.run, ExportInput(job_id=job_id),
