@@ -126,8 +126,12 @@ class DeliveryActivities(ExportActivitiesBase):
                 # no server): the run has moved on, so it authorized nothing, and it hands the attempt back at once
                 # (the lease ends now) for recovery to requeue, rather than letting it lapse a lease later. An
                 # attempt truly another's matches nothing in release_lease.sql.
-                log.warning("cutoff 2 of export %s attempt %s came after its run gave it up (bound %s): authorized "
-                            "nothing; the attempt is handed back", job.id, attempt_id, not_after)
+                late = _past(not_after)
+                metrics.CUTOFF_2_REFUSED.labels(reason="late" if late else "not_owner").inc()
+                log.warning("cutoff 2 of export %s attempt %s %s: authorized nothing; the attempt is handed back",
+                            job.id, attempt_id,
+                            f"came past its bound ({not_after})" if late
+                            else "was no longer this step's (its run gave the step up, or it was taken back)")
                 if file.holder is not None:
                     await self.store.release_lease(job.id, attempt_id, file.holder)
             elif result is AuthorizationResult.STOP_RECORDED:

@@ -46,6 +46,12 @@ RENEWALS_FAILED = Counter("exports_lease_renewals_failed",
 # Each reason at 0 from the start: an alert's rate() needs the series before its first failure.
 for _reason in ("error", "lost", "lapsing"):
     RENEWALS_FAILED.labels(reason=_reason)
+CUTOFF_2_REFUSED = Counter("exports_cutoff_2_refused",
+                           "Cutoff 2 steps that authorized nothing because their run had moved on: late (the step "
+                           "reached the database past its own bound: its worker was paused) or not_owner (the row no "
+                           "longer let it: its run gave the step up, or the attempt was taken back)", ["reason"])
+for _reason in ("late", "not_owner"):
+    CUTOFF_2_REFUSED.labels(reason=_reason)
 STOP_LATENCY = Histogram("exports_stop_latency_seconds",
                          "From the stop watcher confirming a stop to the build's Stopped write", buckets=_STOP_SECONDS)
 BUILD_BYTES = Histogram("exports_build_bytes", "Size of each file built", buckets=_BYTES)

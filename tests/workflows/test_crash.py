@@ -533,7 +533,7 @@ async def test_a_cutoff_2_step_that_starts_after_its_bound_authorizes_nothing(cr
     h = crash_harness
     hold = f"{checkpoints.BEFORE_STEP}authorize_delivery"
     async with processes(h) as started:
-        await start_worker(started, h, hold_at=hold)
+        worker = await start_worker(started, h, hold_at=hold)
         job_id = await h.create()
         await held_at(h.settings, hold, job_id)
         first = (await h.store.read_job(job_id)).attempt_id
@@ -547,6 +547,9 @@ async def test_a_cutoff_2_step_that_starts_after_its_bound_authorizes_nothing(cr
         report = await asyncio.wait_for(run_recovery(h.client, h.settings), timeout=30)
         assert recorded_for(report, job_id) == ["RequeuedByRecovery"]
         row = await h.settled(job_id)
+        # What the operator sees of it (exports_cutoff_2_refused_total{reason="late"} counts it too).
+        said = worker.log_path.read_text(errors="replace")
+        assert f"cutoff 2 of export {job_id} attempt {first} came past its bound" in said, said[-3000:]
 
     assert row.status is Status.COMPLETED and row.attempt_count == 2, row
     evts = await events(h.db, job_id)

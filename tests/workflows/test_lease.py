@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from activities.checkpoints import AFTER_RECEIPT, BEFORE_CUTOFF_2, BUILD_STARTED
 from store.models import AuthorizationResult, Status
@@ -147,6 +148,12 @@ async def refused_once(cutoffs: Calls) -> None:
 
 
 # --- reading Temporal's heartbeats, the worker's files and the outcome --------------------------------------
+
+
+def refusals() -> dict[str, float]:
+    """The in-process worker's cutoff 2 refusals so far, by reason (exports_cutoff_2_refused_total)."""
+    return {reason: REGISTRY.get_sample_value("exports_cutoff_2_refused_total", {"reason": reason}) or 0.0
+            for reason in ("late", "not_owner")}
 
 
 async def heartbeat_progress(h: Harness, job_id: uuid.UUID, activity_type: str) -> dict[str, Any] | None:
@@ -436,12 +443,14 @@ async def test_paused_attempt_after_takeover__its_authorization_matches_nothing_
         report = await run_recovery(h.client, h.settings)
         assert [t.recorded for t in report.taken_over if t.job_id == job_id] == ["RequeuedByRecovery"]
         taken = await events(db, job_id)
+        refused_before = refusals()
         renewals_before = len(renewals.calls)
         paused.set()  # the keeper's renewal in flight changes nothing, and the keeper stops
         hold.release.set()
 
         await assert_requeued_job_completes_under_a_new_attempt(h, job_id, old)
         assert cutoffs.results(old) == [AuthorizationResult.NOT_OWNER]
+        assert refusals() == {"late": refused_before["late"], "not_owner": refused_before["not_owner"] + 1}
         assert not step_renewals(renewals, renewals_before, old)  # not the owner: no renewal
         assert not [c for c in renewals.calls[renewals_before:] if old in c["args"] and c.get("result") is True]
         assert stops.results(old) == [] and failures.results(old) == []
