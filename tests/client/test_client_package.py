@@ -31,10 +31,11 @@ from exports_client import (
 from exports_client.schemas import drifted
 from temporalio.client import Client
 from temporalio.converter import DataConverter
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 from starter.localstack.temporal import temporal_binary
 from tests.helpers.harness import Harness, open_harness
+from tests.helpers.own_temporal import own_server
 from tests.helpers.support import eventually
 from workflows.identity import export_workflow_id
 
@@ -130,6 +131,94 @@ async def test_a_cancel_is_answered_with_the_recorded_outcome_and_a_retry_is_the
     assert [r["id"] for r in recorded] == [request_id]
     with pytest.raises(ExportNotRunning):
         await exports.cancel(job_id, tenant_id=h.tenant_id, requested_by="ann@example.com")
+
+
+@pytest.mark.spec("LD7")
+async def test_a_cancel_gets_through_by_the_signal_once_the_run_has_taken_all_the_updates_the_server_allows(
+        db, store, tmp_path):
+    """The server takes at most `history.maxTotalUpdates` Updates into a run (2,000 by default), and every request
+    the run accepts counts, those that record nothing too (a request ID reused, asked again and again); a run in
+    the middle of a build cannot continue as new to take more. Past the cap the server refuses the cancel Update
+    (FAILED_PRECONDITION), and the client raised it; it now sends the same request as the signal."""
+    async with own_server(tmp_path, {"history.maxTotalUpdates": 1}) as client, AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path, contacts=2000,
+                               build_throttle_bytes_per_second=2_000, early_patches="cancel-update")
+        exports = ExportsWorkflowClient(h.client, task_queue=h.settings.task_queue)
+        # A request ID this tenant used for another export: asked of this one, it records nothing.
+        other = await exports.start(tenant_id=h.tenant_id, destination_id=h.destination_id, created_by="billing")
+        await _running(h, other)
+        reused = uuid.uuid4()
+        first = await h.store.request_cancellation(tenant_id=h.tenant_id, job_id=other, request_id=reused,
+                                                   requested_by="ann@example.com", reason=None)
+        assert first.outcome is CancellationOutcome.STOP_REQUESTED, first
+        job_id = await exports.start(tenant_id=h.tenant_id, destination_id=h.destination_id, created_by="billing")
+        await _running(h, job_id)
+        taken = await exports.cancel(job_id, tenant_id=h.tenant_id, requested_by="ann@example.com",
+                                     request_id=reused)
+        assert taken.sent_as == "update" and taken.result is not None, taken
+        assert taken.result.outcome is CancellationOutcome.REQUEST_ID_REUSED, taken
+        # The run has taken the one Update the server allows it: the next is refused by the server.
+        with pytest.raises(RPCError) as refused:
+            await h.client.get_workflow_handle(export_workflow_id(job_id)).execute_update(
+                "cancel", {"request_id": str(uuid.uuid4()), "tenant_id": str(h.tenant_id), "operator": "probe"})
+        assert refused.value.status is RPCStatusCode.FAILED_PRECONDITION, refused.value
+        assert "total number of distinct updates" in str(refused.value), refused.value
+        answer = await exports.cancel(job_id, tenant_id=h.tenant_id, requested_by="ann@example.com")
+        assert answer.sent_as == "signal" and answer.result is None, answer
+        assert (await asyncio.wait_for(exports.result(job_id), 120)).status is Status.STOPPED
+        assert (await h.store.read_job(job_id)).stop_request_id == answer.request_id
+
+
+# Junk Updates sent at once: enough to keep the server's cap on a run's Updates in flight (history.maxInFlightUpdates,
+# 10 by default) full most of the time, each held for a workflow task's round trip until the validator refuses it.
+JUNK_SENDERS = 300
+
+
+@pytest.mark.spec("LD7")
+async def test_a_cancel_gets_through_by_the_signal_while_junk_updates_fill_the_servers_in_flight_cap(
+        db, store, client, tmp_path):
+    """Refused by their validator, junk Updates never enter the history, but each is in flight on the server until
+    its workflow task answers, and the server takes at most 10 in flight a run: a flood of them refused every other
+    Update, the operator's cancel too (RESOURCE_EXHAUSTED after the client's own retries, about ten seconds, or
+    UNAVAILABLE "workflow update was aborted"). Signals are not counted there: the client sends the same request
+    as the signal, which the run records once, whichever arrives."""
+    async with AsyncExitStack() as stack:
+        # A build of minutes: the cancel finds it running, however long the flood makes the client wait.
+        h = await open_harness(stack, db, store, client, tmp_path, contacts=2000,
+                               build_throttle_bytes_per_second=2_000, early_patches="cancel-update")
+        exports = ExportsWorkflowClient(h.client, task_queue=h.settings.task_queue)
+        job_id = await exports.start(tenant_id=h.tenant_id, destination_id=h.destination_id, created_by="billing")
+        await _running(h, job_id)
+        handle = h.client.get_workflow_handle(export_workflow_id(job_id))
+        flooding, refused_at = True, []
+
+        async def junk() -> None:
+            while flooding:
+                try:
+                    await handle.execute_update("cancel", {"request_id": "junk"})
+                except RPCError:
+                    refused_at.append(asyncio.get_running_loop().time())  # the server refused it: none in flight
+                except Exception:  # noqa: BLE001 - the validator's refusal, as meant
+                    pass
+
+        senders = [asyncio.create_task(junk()) for _ in range(JUNK_SENDERS)]
+        try:
+            await eventually(lambda: asyncio.sleep(0, len(refused_at)), lambda n: n > 0, timeout=60, interval=0.2,
+                             what="the junk Updates filling the server's in-flight cap")
+            began = asyncio.get_running_loop().time()
+            answer = await asyncio.wait_for(exports.cancel(job_id, tenant_id=h.tenant_id,
+                                                           requested_by="ann@example.com"), 120)
+            ended = asyncio.get_running_loop().time()
+        finally:
+            flooding = False
+            await asyncio.wait_for(asyncio.gather(*senders, return_exceptions=True), 120)
+        # The cap was full while the cancel was sent. Most often its Update was refused and the signal went (seen
+        # 4 times in 5); now and then the Update found a place.
+        assert any(began <= at <= ended for at in refused_at), (began, ended, refused_at[-5:])
+        assert (await asyncio.wait_for(exports.result(job_id), 120)).status is Status.STOPPED
+        assert (await h.store.read_job(job_id)).stop_request_id == answer.request_id
+        recorded = await h.db.admin.fetch("SELECT id FROM cancellation_requests WHERE job_id = $1", job_id)
+        assert [r["id"] for r in recorded] == [answer.request_id]
 
 
 async def test_a_run_that_takes_no_update_gets_the_signal_with_the_same_request(slow_build_harness: Harness):

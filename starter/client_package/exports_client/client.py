@@ -81,8 +81,8 @@ class CancelRefused(Exception):
 @dataclass(frozen=True)
 class CancelAnswer:
     """What became of a cancellation request. Sent as an Update, `result` is the recorded outcome; sent as the
-    signal (a run that takes no Update), the run records it shortly and `result` is None: `describe` then shows
-    the row's state, and the Temporal UI the request's answer."""
+    signal (a run that takes no Update, or an Update the server refused or gave up), the run records it shortly
+    and `result` is None: `describe` then shows the row's state, and the Temporal UI the request's answer."""
 
     request_id: uuid.UUID
     sent_as: Literal["update", "signal"]
@@ -183,8 +183,9 @@ class ExportsWorkflowClient:
     async def cancel(self, job_id: str | uuid.UUID, *, tenant_id: str | uuid.UUID, requested_by: str,
                      reason: str | None = None, request_id: str | uuid.UUID | None = None) -> CancelAnswer:
         """Asks the export to stop: the `cancel` Update, answered with the recorded outcome; where the run does
-        not take the Update yet, the `cancel` signal with the same request. To retry, pass the same request ID:
-        it is one request however often it arrives."""
+        not take the Update yet, or the Update goes unanswered (refused by the server, as a flood of junk Updates
+        can make it, or given up), the `cancel` signal with the same request, unanswered (`describe` reads the
+        row). To retry, pass the same request ID: it is one request however often it arrives."""
         handle = self.handle(job_id)
         request = self._cancel_request(tenant_id, requested_by, reason, request_id)
         try:
@@ -202,7 +203,10 @@ class ExportsWorkflowClient:
         except RPCError as exc:
             if exc.status is RPCStatusCode.NOT_FOUND:
                 raise ExportNotRunning(f"export {job_id} has no open workflow run to cancel") from None
-            raise
+            # The Update went unanswered: the server refused it (its cap on a run's Updates in flight, which junk
+            # Updates can hold full; or on a run's Updates in all) or gave it up. Signals are not counted there,
+            # and the run records one request ID once, whether it came by the Update, the signal or both.
+            return await self._signal(handle, request)
         return CancelAnswer(request_id=request.request_id, sent_as="update", result=result)
 
     async def cancel_by_signal(self, job_id: str | uuid.UUID, *, tenant_id: str | uuid.UUID, requested_by: str,
