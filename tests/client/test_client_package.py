@@ -171,7 +171,7 @@ async def test_a_cancel_gets_through_by_the_signal_once_the_run_has_taken_all_th
 
 # Junk Updates sent at once: enough to keep the server's cap on a run's Updates in flight (history.maxInFlightUpdates,
 # 10 by default) full most of the time, each held for a workflow task's round trip until the validator refuses it.
-JUNK_SENDERS = 300
+JUNK_SENDERS = 200
 
 
 @pytest.mark.spec("LD7")
@@ -213,7 +213,7 @@ async def test_a_cancel_gets_through_by_the_signal_while_junk_updates_fill_the_s
             flooding = False
             await asyncio.wait_for(asyncio.gather(*senders, return_exceptions=True), 120)
         # The cap was full while the cancel was sent. Most often its Update was refused and the signal went (seen
-        # 4 times in 5); now and then the Update found a place.
+        # 4 times in 5 with 300 senders); now and then the Update found a place.
         assert any(began <= at <= ended for at in refused_at), (began, ended, refused_at[-5:])
         assert (await asyncio.wait_for(exports.result(job_id), 120)).status is Status.STOPPED
         assert (await h.store.read_job(job_id)).stop_request_id == answer.request_id
