@@ -178,10 +178,10 @@ JUNK_SENDERS = 200
 async def test_a_cancel_gets_through_by_the_signal_while_junk_updates_fill_the_servers_in_flight_cap(
         db, store, client, tmp_path):
     """Refused by their validator, junk Updates never enter the history, but each is in flight on the server until
-    its workflow task answers, and the server takes at most 10 in flight a run: a flood of them refused every other
-    Update, the operator's cancel too (RESOURCE_EXHAUSTED after the client's own retries, about ten seconds, or
-    UNAVAILABLE "workflow update was aborted"). Signals are not counted there: the client sends the same request
-    as the signal, which the run records once, whichever arrives."""
+    its workflow task answers, and the server takes at most 10 in flight a run: a flood of them made the server
+    refuse most other Updates, the operator's cancel too (RESOURCE_EXHAUSTED after the client's own retries, about
+    ten seconds, or UNAVAILABLE "workflow update was aborted"). Signals are not counted there: the client sends the
+    same request as the signal, which the run records once, whichever arrives."""
     async with AsyncExitStack() as stack:
         # A build of minutes: the cancel finds it running, however long the flood makes the client wait.
         h = await open_harness(stack, db, store, client, tmp_path, contacts=2000,
