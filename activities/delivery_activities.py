@@ -119,14 +119,13 @@ class DeliveryActivities(ExportActivitiesBase):
                 # Whatever the row now says, this attempt will not deliver this file: recovery reads the row.
                 remove_local_file(file.path)
                 raise
-            if result is not AuthorizationResult.AUTHORIZED and (_past(not_after)
-                                                                 or result is AuthorizationResult.NOT_OWNER):
+            late = _past(not_after)  # read once: the branch and the metric's reason must agree
+            if result is not AuthorizationResult.AUTHORIZED and (late or result is AuthorizationResult.NOT_OWNER):
                 # The step reached the database after its bound (its worker was paused with the task in hand), or
                 # after its run said it gave the step up (Temporal's timeout; the heartbeats it sent on time reached
                 # no server): the run has moved on, so it authorized nothing, and it hands the attempt back at once
                 # (the lease ends now) for recovery to requeue, rather than letting it lapse a lease later. An
                 # attempt truly another's matches nothing in release_lease.sql.
-                late = _past(not_after)
                 metrics.CUTOFF_2_REFUSED.labels(reason="late" if late else "not_owner").inc()
                 log.warning("cutoff 2 of export %s attempt %s %s: authorized nothing; the attempt is handed back",
                             job.id, attempt_id,
