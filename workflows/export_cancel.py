@@ -89,8 +89,14 @@ class Cancellations:
     def accept(self, payloads: tuple[Any, ...]) -> None:
         """A `cancel` signal's payloads: a request to record, or refused here, recording nothing."""
         request = self.signal_payload("cancel", payloads, CancelRequest)
-        if request is not None:
-            self._pending.append(request)
+        if request is None:
+            return
+        asked = _asked(request)
+        # Sent again after its Busy tries were spent, as the run told its sender to: a new request, with all its
+        # tries (the Update path starts them afresh too). Asked only then, so that no other run records a marker.
+        if self._busy.get(asked, 0) > _BUSY_RETRIES and workflow.patched(patches.BUSY_SIGNAL_SENT_AGAIN):
+            del self._busy[asked]
+        self._pending.append(request)
 
     def signal_payload(self, signal: str, payloads: tuple[Any, ...], model: type[_Payload]) -> _Payload | None:
         """A signal's one payload as `model`; else None, refused (log, the details and the `rejected_signals`

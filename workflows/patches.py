@@ -46,10 +46,15 @@ CANCELED_WHILE_CLAIMING = "canceled-while-claiming"
 # without it gave it up after the few tries any Busy request gets (0.3.0 ships it understood).
 TEMPORAL_CANCEL_UNTIL_RECORDED = "temporal-cancel-until-recorded"
 
+# Export runs that recorded this ask a cancel signal sent again, after its Busy tries were spent, as a new request,
+# with all its tries. Runs without it gave the signal sent again one try (0.3.0 ships it understood).
+BUSY_SIGNAL_SENT_AGAIN = "busy-signal-sent-again"
+
 # Written on new runs by this release.
 ACTIVE = frozenset({ROW_FROM_DELIVERY, WAKE_AFTER_SETTLED, POLICY_AND_CLAIM, BUSY_CANCEL_RETRY, RECOVERY_ROUNDS})
 # Replayed where a history recorded them, never written: the next release activates them.
-UNDERSTOOD: frozenset[str] = frozenset({CANCEL_UPDATE, CANCELED_WHILE_CLAIMING, TEMPORAL_CANCEL_UNTIL_RECORDED})
+UNDERSTOOD: frozenset[str] = frozenset({CANCEL_UPDATE, CANCELED_WHILE_CLAIMING, TEMPORAL_CANCEL_UNTIL_RECORDED,
+                                        BUSY_SIGNAL_SENT_AGAIN})
 
 
 def activates(request: PatchActivationInput) -> bool:

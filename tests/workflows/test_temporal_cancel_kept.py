@@ -91,3 +91,49 @@ async def test_temporal_cancel_that_finds_the_row_locked_past_its_tries_is_asked
         finally:
             await unlock_row(locker)
             await handle.terminate("test over")
+
+
+@pytest.mark.spec("RQ4", "TW6")
+@pytest.mark.parametrize("early", [True, False], ids=["branch", "this-release"])
+async def test_a_cancel_signal_sent_again_after_its_busy_tries_were_spent_gets_its_tries_again(
+        db, store, client, tmp_path, early):
+    """A cancel signal that found the row locked through its five tries is given up ("send it again"). Sent again
+    with the same request ID, it got one try, not five: the run still counted the first sending's Busy answers, so
+    a lock held a few seconds more refused it again at once. With the patch `busy-signal-sent-again` the signal
+    sent again is asked as a new one, and recorded once the row is free within its tries. Without it (this
+    release's default, which a rollback needs), one try as before, and no marker."""
+    extra = {"early_patches": patches.BUSY_SIGNAL_SENT_AGAIN} if early else {}
+    async with AsyncExitStack() as stack:
+        h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False, lock_timeout_ms=200, **extra)
+        job_id, handle = await _waiting_run(h)  # Running; the run has read its row
+        request = {"request_id": str(uuid.uuid4()), "tenant": str(h.tenant_id), "operator": "ann@example.com",
+                   "reason": "locked row"}
+        locker = await lock_row(asyncpg_dsn(h.db.url("owner")), job_id)
+        try:
+            await handle.signal("cancel", request)
+            await eventually(lambda: handle.query("rejected_signals"),
+                             lambda said: sum("stayed busy" in line for line in said) == 1, timeout=BOUND,
+                             interval=0.5, what="the signal given up as Busy")
+            assert await _asks(handle) == 6  # the first try and five more
+            await handle.signal("cancel", request)  # the operator sends it again, as told
+            if early:  # the row stays locked past the resent signal's first try: it is asked again
+                await eventually(lambda: _asks(handle), lambda n: n >= 8, timeout=BOUND, interval=0.2,
+                                 what="the signal sent again asked a second time")
+            else:
+                await eventually(lambda: handle.query("rejected_signals"),
+                                 lambda said: sum("stayed busy" in line for line in said) == 2, timeout=BOUND,
+                                 interval=0.5, what="the signal sent again given up after one try")
+        finally:
+            await unlock_row(locker)
+        if early:
+            row = await eventually(lambda: h.store.read_job(job_id), lambda r: r.stop_request_id is not None,
+                                   timeout=BOUND, interval=0.5, what="the signal sent again recorded")
+            assert row.stop_request_id == uuid.UUID(request["request_id"]) and row.status is Status.RUNNING
+        else:
+            assert await _asks(handle) == 7
+            assert (await h.store.read_job(job_id)).stop_request_id is None
+        history = await handle.fetch_history()
+        marked = any(e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED
+                     and patches.BUSY_SIGNAL_SENT_AGAIN.encode() in e.SerializeToString() for e in history.events)
+        assert marked is early
+        await handle.terminate("test over")
