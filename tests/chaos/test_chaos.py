@@ -493,8 +493,9 @@ async def chaos_window(c: Chaos) -> None:
     def short() -> list[str]:
         return [k for k, n in PROFILE.minimum.items() if c.injected[k] < n and k != "Temporal restart"]
 
-    # The window is extended (by half at most) while a class is short of its minimum.
-    while (now := time.monotonic() - start) < CHAOS_SECONDS or (now < 1.5 * CHAOS_SECONDS and short()):
+    # The window is extended (to twice its length at most) while a class is short of its minimum: on a loaded
+    # machine uploads come slower, and a partner cut fires only on one (8 of 10 by half a window more, seen in CI).
+    while (now := time.monotonic() - start) < CHAOS_SECONDS or (now < 2 * CHAOS_SECONDS and short()):
         if restarts and now >= restarts[0]:
             restarts.pop(0)
             await restart_temporal(c)
