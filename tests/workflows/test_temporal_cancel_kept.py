@@ -1,6 +1,7 @@
 """Temporal's own cancel of an export's run (the UI's Cancel) is sent once: the server takes one cancel request of a
 run and ignores the next. So the run, not the operator, must see it recorded, whatever the client that sent it
-called itself, and however long the row stays locked (found by review)."""
+called itself, and however long the row stays locked (found by review). A cancel signal given up as Busy can be
+sent again, and then gets all its tries again."""
 
 from __future__ import annotations
 
