@@ -199,25 +199,15 @@ async def test_export_busy_signal_sent_again(db, store, client, tmp_path):
     up; sent again with the same request ID, it is asked with all its tries, and recorded once the row is free; the
     attempt then stops and the run returns Stopped."""
     from tests.workflows.test_cancel_update import _waiting_run
-    from tests.workflows.test_temporal_cancel_kept import _asks
+    from tests.workflows.test_temporal_cancel_kept import asked_again_while_locked, given_up_as_busy_then_sent_again
 
     async with AsyncExitStack() as stack:
         h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False, lock_timeout_ms=200,
                                early_patches=patches.BUSY_SIGNAL_SENT_AGAIN)
         job_id, handle = await _waiting_run(h)
-        request = {"request_id": str(uuid.uuid4()), "tenant": str(h.tenant_id), "operator": "ann@example.com",
-                   "reason": "locked row"}
-        locker = await lock_row(asyncpg_dsn(h.db.url("owner")), job_id)
-        try:
-            await handle.signal("cancel", request)
-            await eventually(lambda: handle.query("rejected_signals"),
-                             lambda said: any("stayed busy" in line for line in said), timeout=60, interval=0.5,
-                             what="the signal given up as Busy")
-            await handle.signal("cancel", request)
-            await eventually(lambda: _asks(handle), lambda n: n >= 8, timeout=60, interval=0.2,
-                             what="the signal sent again asked a second time")
-        finally:
-            await unlock_row(locker)
+        async with AsyncExitStack() as locked:
+            await given_up_as_busy_then_sent_again(h, job_id, handle, locked)
+            await asked_again_while_locked(handle)
         row = await eventually(lambda: h.store.read_job(job_id), lambda r: r.stop_request_id is not None,
                                timeout=60, interval=0.2, what="the signal sent again recorded")
         assert await h.store.finish_stopped(job_id, row.attempt_id, "build")

@@ -94,6 +94,27 @@ async def test_temporal_cancel_that_finds_the_row_locked_past_its_tries_is_asked
             await handle.terminate("test over")
 
 
+async def given_up_as_busy_then_sent_again(h, job_id: uuid.UUID, handle, stack: AsyncExitStack) -> dict[str, str]:
+    """A cancel signal sent while another transaction holds the export's row lock, given up after its tries, and
+    sent again with the same request ID while the lock is still held (until `stack` closes): the request."""
+    request = {"request_id": str(uuid.uuid4()), "tenant": str(h.tenant_id), "operator": "ann@example.com",
+               "reason": "locked row"}
+    stack.push_async_callback(unlock_row, await lock_row(asyncpg_dsn(h.db.url("owner")), job_id))
+    await handle.signal("cancel", request)
+    await eventually(lambda: handle.query("rejected_signals"),
+                     lambda said: sum("stayed busy" in line for line in said) == 1, timeout=BOUND,
+                     interval=0.5, what="the signal given up as Busy")
+    assert await _asks(handle) == 6  # the first try and five more
+    await handle.signal("cancel", request)  # the operator sends it again, as told
+    return request
+
+
+async def asked_again_while_locked(handle) -> None:
+    """The row stays locked past the first try of the signal sent again: it is asked again."""
+    await eventually(lambda: _asks(handle), lambda n: n >= 8, timeout=BOUND, interval=0.2,
+                     what="the signal sent again asked a second time")
+
+
 @pytest.mark.spec("RQ4", "TW6")
 @pytest.mark.parametrize("early", [True, False], ids=["branch", "this-release"])
 async def test_a_cancel_signal_sent_again_after_its_busy_tries_were_spent_gets_its_tries_again(
@@ -107,25 +128,14 @@ async def test_a_cancel_signal_sent_again_after_its_busy_tries_were_spent_gets_i
     async with AsyncExitStack() as stack:
         h = await open_harness(stack, db, store, client, tmp_path, dispatcher=False, lock_timeout_ms=200, **extra)
         job_id, handle = await _waiting_run(h)  # Running; the run has read its row
-        request = {"request_id": str(uuid.uuid4()), "tenant": str(h.tenant_id), "operator": "ann@example.com",
-                   "reason": "locked row"}
-        locker = await lock_row(asyncpg_dsn(h.db.url("owner")), job_id)
-        try:
-            await handle.signal("cancel", request)
-            await eventually(lambda: handle.query("rejected_signals"),
-                             lambda said: sum("stayed busy" in line for line in said) == 1, timeout=BOUND,
-                             interval=0.5, what="the signal given up as Busy")
-            assert await _asks(handle) == 6  # the first try and five more
-            await handle.signal("cancel", request)  # the operator sends it again, as told
-            if early:  # the row stays locked past the resent signal's first try: it is asked again
-                await eventually(lambda: _asks(handle), lambda n: n >= 8, timeout=BOUND, interval=0.2,
-                                 what="the signal sent again asked a second time")
+        async with AsyncExitStack() as locked:  # the row's lock, held until this block ends
+            request = await given_up_as_busy_then_sent_again(h, job_id, handle, locked)
+            if early:
+                await asked_again_while_locked(handle)
             else:
                 await eventually(lambda: handle.query("rejected_signals"),
                                  lambda said: sum("stayed busy" in line for line in said) == 2, timeout=BOUND,
                                  interval=0.5, what="the signal sent again given up after one try")
-        finally:
-            await unlock_row(locker)
         if early:
             row = await eventually(lambda: h.store.read_job(job_id), lambda r: r.stop_request_id is not None,
                                    timeout=BOUND, interval=0.5, what="the signal sent again recorded")
