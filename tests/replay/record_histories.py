@@ -168,6 +168,17 @@ async def test_export_temporal_cancel_while_claiming(db, store, client, tmp_path
             release_held(h.settings, checkpoints.BUILD_STARTED, first)
 
 
+async def record_stopped_once_recorded(h: Harness, handle, job_id: uuid.UUID, case: str) -> None:
+    """Once the run has recorded a stop request for the waiting attempt: the attempt stops, the run is woken (no
+    dispatcher here) and returns Stopped, and its history is recorded as `case`."""
+    row = await eventually(lambda: h.store.read_job(job_id), lambda r: r.stop_request_id is not None,
+                           timeout=60, interval=0.2, what="the stop request recorded")
+    assert await h.store.finish_stopped(job_id, row.attempt_id, "build")
+    await handle.signal("wake", {"message_id": str(uuid.uuid4())})
+    assert (await h.settled(job_id)).status is Status.STOPPED
+    await record_export(h, job_id, case)
+
+
 async def test_export_temporal_cancel_asked_until_recorded(db, store, client, tmp_path):
     """The temporal-cancel-until-recorded branch: Temporal's cancel finds the row locked past the five tries any Busy
     request gets, is asked again after longer pauses, and is recorded once the row is free; the attempt then stops
@@ -186,12 +197,7 @@ async def test_export_temporal_cancel_asked_until_recorded(db, store, client, tm
                              what="Temporal's cancel asked past its five tries")
         finally:
             await unlock_row(locker)
-        row = await eventually(lambda: h.store.read_job(job_id), lambda r: r.stop_request_id is not None,
-                               timeout=60, interval=0.2, what="Temporal's cancel recorded")
-        assert await h.store.finish_stopped(job_id, row.attempt_id, "build")
-        await handle.signal("wake", {"message_id": str(uuid.uuid4())})  # its wake-up, with no dispatcher here
-        assert (await h.settled(job_id)).status is Status.STOPPED
-        await record_export(h, job_id, "export_temporal_cancel_asked_until_recorded")
+        await record_stopped_once_recorded(h, handle, job_id, "export_temporal_cancel_asked_until_recorded")
 
 
 async def test_export_busy_signal_sent_again(db, store, client, tmp_path):
@@ -208,12 +214,7 @@ async def test_export_busy_signal_sent_again(db, store, client, tmp_path):
         async with AsyncExitStack() as locked:
             await given_up_as_busy_then_sent_again(h, job_id, handle, locked)
             await asked_again_while_locked(handle)
-        row = await eventually(lambda: h.store.read_job(job_id), lambda r: r.stop_request_id is not None,
-                               timeout=60, interval=0.2, what="the signal sent again recorded")
-        assert await h.store.finish_stopped(job_id, row.attempt_id, "build")
-        await handle.signal("wake", {"message_id": str(uuid.uuid4())})  # its wake-up, with no dispatcher here
-        assert (await h.settled(job_id)).status is Status.STOPPED
-        await record_export(h, job_id, "export_busy_signal_sent_again")
+        await record_stopped_once_recorded(h, handle, job_id, "export_busy_signal_sent_again")
 
 
 async def test_export_rejected(harness: Harness):

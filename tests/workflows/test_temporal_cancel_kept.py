@@ -94,6 +94,13 @@ async def test_temporal_cancel_that_finds_the_row_locked_past_its_tries_is_asked
             await handle.terminate("test over")
 
 
+async def given_up_as_busy(handle, *, times: int) -> None:
+    """The run has given up a request as Busy this many times (the `rejected_signals` query says so)."""
+    await eventually(lambda: handle.query("rejected_signals"),
+                     lambda said: sum("stayed busy" in line for line in said) == times, timeout=BOUND,
+                     interval=0.5, what=f"a request given up as Busy {times} time(s)")
+
+
 async def given_up_as_busy_then_sent_again(h, job_id: uuid.UUID, handle, stack: AsyncExitStack) -> dict[str, str]:
     """A cancel signal sent while another transaction holds the export's row lock, given up after its tries, and
     sent again with the same request ID while the lock is still held (until `stack` closes): the request."""
@@ -101,9 +108,7 @@ async def given_up_as_busy_then_sent_again(h, job_id: uuid.UUID, handle, stack: 
                "reason": "locked row"}
     stack.push_async_callback(unlock_row, await lock_row(asyncpg_dsn(h.db.url("owner")), job_id))
     await handle.signal("cancel", request)
-    await eventually(lambda: handle.query("rejected_signals"),
-                     lambda said: sum("stayed busy" in line for line in said) == 1, timeout=BOUND,
-                     interval=0.5, what="the signal given up as Busy")
+    await given_up_as_busy(handle, times=1)
     assert await _asks(handle) == 6  # the first try and five more
     await handle.signal("cancel", request)  # the operator sends it again, as told
     return request
@@ -133,9 +138,7 @@ async def test_a_cancel_signal_sent_again_after_its_busy_tries_were_spent_gets_i
             if early:
                 await asked_again_while_locked(handle)
             else:
-                await eventually(lambda: handle.query("rejected_signals"),
-                                 lambda said: sum("stayed busy" in line for line in said) == 2, timeout=BOUND,
-                                 interval=0.5, what="the signal sent again given up after one try")
+                await given_up_as_busy(handle, times=2)  # the signal sent again, after one try
         if early:
             row = await eventually(lambda: h.store.read_job(job_id), lambda r: r.stop_request_id is not None,
                                    timeout=BOUND, interval=0.5, what="the signal sent again recorded")
