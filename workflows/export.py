@@ -61,6 +61,8 @@ _CLAIM_TIMEOUT = timedelta(minutes=2)
 _CLAIM_HEARTBEAT_TIMEOUT = timedelta(seconds=30)
 # A build whose worker is lost resumes elsewhere this many times, each only while its lease renewal matches.
 _BUILD_RESUMPTIONS = 3
+# How long a run that may continue as new waits first, so that a cancel that came with signals is applied (below).
+_BEFORE_CONTINUING_AS_NEW = timedelta(seconds=1)
 
 
 @workflow.defn
@@ -431,12 +433,26 @@ class ExportWorkflow:
         here, continuing as new, once Temporal suggests it (history long) and no request or handler is in flight:
         nothing of an attempt is open at this point, and the row holds all the next run needs. A fresh run also
         takes signals again after a flood filled this one's quota."""
-        try:
-            await workflow.wait_condition(lambda: self._state.woken or self._may_continue_as_new(),
-                                          timeout=self._state.idle_recheck)
-        except builtins.TimeoutError:
-            pass
-        if self._may_continue_as_new():
+        while True:
+            timed_out = False
+            try:
+                await workflow.wait_condition(lambda: self._state.woken or self._may_continue_as_new(),
+                                              timeout=self._state.idle_recheck)
+            except builtins.TimeoutError:
+                timed_out = True
+            if not self._may_continue_as_new():
+                return
+            if workflow.patched(patches.CANCEL_BEFORE_CONTINUING_AS_NEW):
+                # The SDK runs a task's signal handlers, and checks wait conditions, before it applies the same
+                # task's cancel of the run; the check above may thus come before Temporal's cancel is known. A
+                # timer's fire is applied with the cancel, and a condition is checked only once every job applied
+                # has run: the second check sees the cancel, whichever task brings it.
+                await workflow.sleep(_BEFORE_CONTINUING_AS_NEW)
+                await workflow.wait_condition(lambda: True)
+                if not self._may_continue_as_new():
+                    if timed_out or self._state.woken:
+                        return
+                    continue
             workflow.logger.info("export %s continues as new after %d events", self._job_id,
                                  workflow.info().get_current_history_length())
             workflow.continue_as_new(ExportInput(job_id=self._job_id))

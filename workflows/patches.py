@@ -50,11 +50,16 @@ TEMPORAL_CANCEL_UNTIL_RECORDED = "temporal-cancel-until-recorded"
 # with all its tries. Runs without it gave the signal sent again one try (0.3.0 ships it understood).
 BUSY_SIGNAL_SENT_AGAIN = "busy-signal-sent-again"
 
+# Export runs that recorded this wait a moment (a timer) before they continue as new, and check again: Temporal's
+# cancel that reached the run in one workflow task with signals was applied after the first check, and lost with
+# the run. Only runs that accept the cancel Update continue as new (0.3.0 ships it understood).
+CANCEL_BEFORE_CONTINUING_AS_NEW = "cancel-before-continuing-as-new"
+
 # Written on new runs by this release.
 ACTIVE = frozenset({ROW_FROM_DELIVERY, WAKE_AFTER_SETTLED, POLICY_AND_CLAIM, BUSY_CANCEL_RETRY, RECOVERY_ROUNDS})
 # Replayed where a history recorded them, never written: the next release activates them.
 UNDERSTOOD: frozenset[str] = frozenset({CANCEL_UPDATE, CANCELED_WHILE_CLAIMING, TEMPORAL_CANCEL_UNTIL_RECORDED,
-                                        BUSY_SIGNAL_SENT_AGAIN})
+                                        BUSY_SIGNAL_SENT_AGAIN, CANCEL_BEFORE_CONTINUING_AS_NEW})
 
 
 def activates(request: PatchActivationInput) -> bool:

@@ -4,13 +4,16 @@ cannot be held at (a wake-up that reaches a settled run while it still records a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowHandle, WorkflowHistory
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
 from temporalio.worker import Worker
 
 from activities.contracts import (
@@ -33,7 +36,7 @@ from store.models import CancellationOutcome, CancellationResult, FailureCode, J
 from tests.helpers.store_states import built_file
 from tests.helpers.support import eventually
 from workflows import patches
-from workflows.export import ExportWorkflow
+from workflows.export import _BEFORE_CONTINUING_AS_NEW, ExportWorkflow
 from workflows.identity import admission_queue, export_workflow_id
 
 
@@ -104,11 +107,27 @@ async def woken_while_recording_a_cancel(client: Client) -> tuple[WorkflowHandle
     return handle, result, reads
 
 
-async def temporal_cancel_before_the_row(client: Client) -> tuple[list[str], int]:
-    """A run that takes the cancel Update (its patch activated) whose first claim failed, so it has never read its
-    row, is cancelled through Temporal; then junk signals make Temporal suggest continuing as new (the server the
-    caller connected to suggests it early), and only then does the claim read the row. Returns who asked for each
-    request the run recorded, and how many runs the workflow had."""
+_JUNK_SIGNALS = 30
+
+
+@dataclass
+class CancelBeforeTheRow:
+    recorded: list[str]  # who asked for each request the run recorded
+    runs: int  # of the workflow
+    marked: bool  # the first run recorded the marker of `cancel-before-continuing-as-new`
+    first_run: WorkflowHistory
+
+
+async def temporal_cancel_before_the_row(client: Client, *, early: frozenset[str] = frozenset(),
+                                        cancel_comes: str = "apart") -> CancelBeforeTheRow:
+    """A run that takes the cancel Update (its patch activated, and `early` beside it) whose first claim failed, so
+    it has never read its row, is cancelled through Temporal; junk signals make Temporal suggest continuing as new
+    (the server the caller connected to suggests it early), and only then does the claim read the row.
+
+    `cancel_comes`: "apart", the cancel and then the signals to a polled queue; "with-signals", both while no worker
+    polls the run's queue (a worker paused or replaced), so that one workflow task brings them; "with-the-pause",
+    the signals first, and the cancel while no worker polls, once the run has started its pause before continuing
+    as new and that pause has passed, so that one task brings the cancel and the pause's end."""
     job_id, tenant_id = uuid.uuid4(), uuid.uuid4()
     claim_fails = asyncio.Event()
     claim_fails.set()
@@ -131,33 +150,92 @@ async def temporal_cancel_before_the_row(client: Client) -> tuple[list[str], int
                                                              found_status=Status.QUEUED)
                                           for request in batch.requests])
 
-    queue = f"early-cancel-{uuid.uuid4().hex[:8]}"
-    async with Worker(client, task_queue=queue, workflows=[ExportWorkflow], activities=[record_cancellations],
-                      patch_activation_callback=patches.activation(frozenset({patches.CANCEL_UPDATE}))), \
-            Worker(client, task_queue=admission_queue(queue), activities=[claim_if_allowed]):
-        handle = await client.start_workflow(ExportWorkflow.run, ExportInput(job_id=job_id),
-                                             id=export_workflow_id(job_id), task_queue=queue,
-                                             result_type=ExportResult)
-        await eventually(lambda: _events(handle, EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED), lambda n: n >= 1,
-                         timeout=30, interval=0.1, what="the first claim failed")
-        await handle.cancel()
-        for _ in range(30):
+    async def junk(handle: WorkflowHandle) -> None:
+        for _ in range(_JUNK_SIGNALS):
             await handle.signal("cancel", {"junk": True})
-        # The first run has taken the cancel and the signals: it continued as new, or completed a task after them.
-        first = client.get_workflow_handle(handle.id, run_id=handle.first_execution_run_id)
-        await eventually(lambda: _events(first, EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED), lambda n: n >= 3,
-                         timeout=30, interval=0.1, what="the run took the cancel and the signals")
+
+    async def wake_once_taken(handle: WorkflowHandle) -> CancelBeforeTheRow:
+        if cancel_comes == "apart":  # it took the cancel and the signals: it continued as new, or took them
+            await eventually(lambda: _events(first, EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED), lambda n: n >= 3,
+                             timeout=30, interval=0.1, what="the run took the cancel and the signals")
+        else:  # it continued as new, or its pause before continuing ended
+            await eventually(lambda: _events(first, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW,
+                                             EventType.EVENT_TYPE_TIMER_FIRED), lambda n: n >= 1,
+                             timeout=30, interval=0.1, what="the run took the cancel and the signals")
         claim_fails.clear()
         await handle.signal("wake", Wake(message_id=uuid.uuid4()))
         try:
             await eventually(lambda: asyncio.sleep(0, list(recorded)), bool, timeout=20, interval=0.2,
                              what="a request recorded after the wake-up")
+            # Then the first run, with nothing left to record, continues as new.
+            await eventually(lambda: _events(first, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW),
+                             lambda n: n == 1, timeout=20, interval=0.2, what="the first run continued as new")
         except AssertionError:
             pass
         runs = len([w async for w in client.list_workflows(f"WorkflowId = '{handle.id}'")])
-        await handle.terminate("test over")
-    return recorded, runs
+        with contextlib.suppress(RPCError):  # ended already: the run took the cancel for the workflow's own
+            await handle.terminate("test over")
+        history = await first.fetch_history()
+        marked = any(event.event_type == EventType.EVENT_TYPE_MARKER_RECORDED
+                     and patches.CANCEL_BEFORE_CONTINUING_AS_NEW.encode() in event.SerializeToString()
+                     for event in history.events)
+        return CancelBeforeTheRow(list(recorded), runs, marked, history)
+
+    queue = f"early-cancel-{uuid.uuid4().hex[:8]}"
+
+    def workflow_worker() -> Worker:
+        return Worker(client, task_queue=queue, workflows=[ExportWorkflow], activities=[record_cancellations],
+                      patch_activation_callback=patches.activation(early | {patches.CANCEL_UPDATE}))
+
+    async with Worker(client, task_queue=admission_queue(queue), activities=[claim_if_allowed]):
+        async with workflow_worker():
+            handle = await client.start_workflow(ExportWorkflow.run, ExportInput(job_id=job_id),
+                                                 id=export_workflow_id(job_id), task_queue=queue,
+                                                 result_type=ExportResult)
+            first = client.get_workflow_handle(handle.id, run_id=handle.first_execution_run_id)
+            await eventually(lambda: _events(handle, EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED), lambda n: n >= 1,
+                             timeout=30, interval=0.1, what="the first claim failed")
+            if cancel_comes == "apart":
+                await handle.cancel()
+                await junk(handle)
+                return await wake_once_taken(handle)
+            # The idle recheck's timer: the run has ended the task that took the failure, and waits.
+            await eventually(lambda: _events(handle, EventType.EVENT_TYPE_TIMER_STARTED), lambda n: n >= 1,
+                             timeout=30, interval=0.1, what="the run waiting for a wake-up")
+            if cancel_comes == "with-the-pause":
+                sending = asyncio.create_task(junk(handle))
+                # Stopped at once (the worker stops in milliseconds): the pause's end finds no worker.
+                await eventually(lambda: _events(first, EventType.EVENT_TYPE_TIMER_STARTED), lambda n: n >= 2,
+                                 timeout=30, interval=0.02, what="the run's pause before continuing as new")
+        if cancel_comes == "with-the-pause":
+            await sending
+            await asyncio.sleep(_BEFORE_CONTINUING_AS_NEW.total_seconds() + 0.5)
+            await handle.cancel()
+            brought_with_the_cancel = EventType.EVENT_TYPE_TIMER_FIRED, 1
+        else:
+            await handle.cancel()
+            await junk(handle)
+            brought_with_the_cancel = EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED, _JUNK_SIGNALS
+        async with workflow_worker():
+            taken = await wake_once_taken(handle)
+        assert await _one_task_with_the_cancel(first, *brought_with_the_cancel), \
+            f"the cancel and {cancel_comes[5:]} did not reach the run in one workflow task"
+        return taken
 
 
-async def _events(handle: WorkflowHandle, kind: int) -> int:
-    return sum(1 for event in (await handle.fetch_history()).events if event.event_type == kind)
+async def _one_task_with_the_cancel(handle: WorkflowHandle, kind: int, count: int) -> bool:
+    """Whether the workflow task that brought Temporal's cancel to the run also brought `count` events of `kind`
+    (and none came after the task before it), Temporal suggesting to continue as new."""
+    events = list((await handle.fetch_history()).events)
+    kinds = [event.event_type for event in events]
+    cancel = kinds.index(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED)
+    before = max(i for i, k in enumerate(kinds[:cancel]) if k == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED)
+    after = kinds.index(EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED, cancel)
+    started = [event for event in events[cancel:after]
+               if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED][-1]
+    return (kinds[before:after].count(kind) == count
+            and started.workflow_task_started_event_attributes.suggest_continue_as_new)
+
+
+async def _events(handle: WorkflowHandle, *kinds: int) -> int:
+    return sum(1 for event in (await handle.fetch_history()).events if event.event_type in kinds)

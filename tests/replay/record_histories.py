@@ -48,8 +48,9 @@ from tests.helpers.harness import (
     stranded_in_queued,
     unknown_original,
 )
+from tests.helpers.own_temporal import own_server
 from tests.helpers.releases import current_version, is_released
-from tests.helpers.standins import woken_while_recording_a_cancel
+from tests.helpers.standins import temporal_cancel_before_the_row, woken_while_recording_a_cancel
 from tests.helpers.support import eventually, lock_row, unlock_row
 from tests.replay.history_files import save
 from worker import running_worker
@@ -393,3 +394,14 @@ async def test_export_woken_while_recording_a_cancel(client: Client):
     handle, result, _ = await woken_while_recording_a_cancel(client)
     assert result.status is Status.COMPLETED
     save(VERSION, "export_woken_while_recording_a_cancel", await handle.fetch_history())
+
+
+async def test_export_cancel_before_continuing_as_new(tmp_path):
+    """The cancel-before-continuing-as-new branch: Temporal's cancel reaches a run whose claim failed in one task
+    with the signals that make Temporal suggest continuing as new; the run pauses, sees the cancel, records it once
+    its row is read, then pauses again and continues as new. Its steps are stand-ins."""
+    async with own_server(tmp_path, {"limit.historyCount.suggestContinueAsNew": 20}) as client:
+        run = await temporal_cancel_before_the_row(
+            client, early=frozenset({patches.CANCEL_BEFORE_CONTINUING_AS_NEW}), cancel_comes="with-signals")
+    assert run.marked and run.recorded == ["temporal-cancel"], (run.recorded, run.runs)
+    save(VERSION, "export_cancel_before_continuing_as_new", run.first_run)

@@ -4,7 +4,8 @@ run's first workflow task (sent right after the start, or to a run that has just
 request ID sent by two operators. Each was seen failing: the first stalled the run for good (every retry of its
 workflow task met the same signal), the second was refused ("send the cancel signal"), the third was answered
 from the run's memory by request ID alone, not as the row records it. And Temporal's own cancel of a run that has
-not read its row yet: it was lost when the run continued as new before the read."""
+not read its row yet: it was lost when the run continued as new before the read, and, with the patch
+`cancel-before-continuing-as-new` off, when one workflow task brought it with signals."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from tests.helpers.store_states import drive
 from tests.helpers.support import eventually, lock_row, unlock_row
 from tests.workflows.test_cancel_update import EARLY, _request, _waiting_run
 from worker import running_worker
+from workflows import patches
 from workflows.identity import export_workflow_id
 
 BOUND = 60.0
@@ -198,7 +200,41 @@ async def test_a_temporal_cancel_before_the_row_is_read_is_not_lost_when_the_run
     """Temporal's cancel becomes a stop request once the run knows its row (its tenant). A run whose claim failed
     has not read it, and waits for a wake-up; there it continues as new once Temporal suggests it. It did so with
     the cancel not yet a request, and the new run never heard of it: the export went on as if never cancelled. Now
-    a run with such a cancel pending does not continue as new until the cancel is recorded."""
+    a run with such a cancel pending does not continue as new until the cancel is recorded. (With the patch of the
+    next test: a loaded worker may take the cancel in one task with the first signals, which that patch is for.)"""
     async with own_server(tmp_path, {"limit.historyCount.suggestContinueAsNew": 20}) as client:
-        recorded, runs = await temporal_cancel_before_the_row(client)
-    assert recorded == [TEMPORAL_CANCEL_OPERATOR], (recorded, runs)
+        run = await temporal_cancel_before_the_row(client, early=frozenset({patches.CANCEL_BEFORE_CONTINUING_AS_NEW}))
+    assert run.recorded == [TEMPORAL_CANCEL_OPERATOR], (run.recorded, run.runs)
+
+
+@pytest.mark.spec("LD7", "TW7")
+@pytest.mark.parametrize("early", [True, False], ids=["branch", "this-release"])
+async def test_a_temporal_cancel_in_one_workflow_task_with_signals_is_not_lost_when_the_run_continues_as_new(
+        tmp_path, early):
+    """The same cancel, reaching the run in one workflow task with the signals that make Temporal suggest
+    continuing as new (sent while the worker was away). The SDK runs a task's signal handlers, and checks the run's
+    wait conditions, before it applies the task's cancel: the run continued as new in that check, and the cancel,
+    applied after it, was lost with the run. Seen failing in a CI run, where a loaded worker took the cancel and
+    the first signals in one task. With the patch `cancel-before-continuing-as-new` the run checks again after a
+    timer, and the cancel is recorded; without it (runs that recorded the cancel Update before it), the run keeps
+    its recorded commands and writes no marker."""
+    early_patches = frozenset({patches.CANCEL_BEFORE_CONTINUING_AS_NEW}) if early else frozenset()
+    async with own_server(tmp_path, {"limit.historyCount.suggestContinueAsNew": 20}) as client:
+        run = await temporal_cancel_before_the_row(client, early=early_patches, cancel_comes="with-signals")
+    assert run.marked is early, (run.recorded, run.runs)
+    if early:
+        assert run.recorded == [TEMPORAL_CANCEL_OPERATOR], (run.recorded, run.runs)
+    else:
+        assert (run.recorded, run.runs) == ([], 2)  # continued as new at once, the cancel lost
+
+
+@pytest.mark.spec("LD7", "TW7")
+async def test_a_temporal_cancel_that_comes_with_the_end_of_the_pause_before_continuing_as_new_is_not_lost(tmp_path):
+    """The run with the patch waits a moment before it continues as new; the same cancel may reach it in the task
+    that ends that pause. The SDK resumes the run's steps in the order the task's jobs came: a check made as the
+    pause ends may come before the cancel is applied. The check is made once every job of the task has run."""
+    async with own_server(tmp_path, {"limit.historyCount.suggestContinueAsNew": 20}) as client:
+        run = await temporal_cancel_before_the_row(
+            client, early=frozenset({patches.CANCEL_BEFORE_CONTINUING_AS_NEW}), cancel_comes="with-the-pause")
+    assert run.marked
+    assert run.recorded == [TEMPORAL_CANCEL_OPERATOR], (run.recorded, run.runs)
