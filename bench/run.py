@@ -25,7 +25,7 @@ SIZES = {
     "P1": ({"exports": 200, "rounds": 3}, {"exports": 20, "rounds": 1}),
     "P2": ({"samples": 30}, {"samples": 3}),
     "P3": ({"claims": 8000, "rounds": 3}, {"claims": 800, "rounds": 1}),
-    "P4": ({"small": 10_000, "large": 1_000_000}, {"small": 10_000, "large": 100_000}),
+    "P4": ({"small": 10_000, "large": 1_000_000}, {"small": 10_000, "large": 30_000}),
     "P5": ({"contacts": 900_000, "rounds": 3}, {"contacts": 50_000, "rounds": 1}),
     "P6": ({"megabytes": 200, "rounds": 3}, {"megabytes": 20, "rounds": 1}),
     "S1": ({"exports": 200, "rounds": 3}, {"exports": 20, "rounds": 1, "workers": (2,)}),

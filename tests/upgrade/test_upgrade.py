@@ -37,8 +37,10 @@ from tests.helpers.releases import ReleaseCode
 from tests.helpers.support import eventually, lock_row, unlock_row
 from workflows.identity import EXPORT_STATUS, export_workflow_id, search_attribute_kinds
 
-# Slow enough that each export is caught in its step when the old worker stops (about 27 kB of contacts).
-SLOW = dict(build_throttle_bytes_per_second=3000, upload_throttle_bytes_per_second=3000)
+# Slow enough that each export is caught in its step when the old worker stops (about 27 kB of contacts: a build
+# of about 9 s). The upload, slower still (about 18 s), outlasts the claims and build starts of the two exports
+# created after it reaches Delivering, on a loaded machine too (at 9 s it did not, once, with three test processes).
+SLOW = dict(build_throttle_bytes_per_second=3000, upload_throttle_bytes_per_second=1500)
 BOUND = 120.0
 # The step whose claim meets the locked row: one step from 0.2.0 on, 0.1.0's own `claim` before.
 CLAIM_STEPS = ("claim_if_allowed", "claim")
