@@ -52,7 +52,8 @@ BUSY_SIGNAL_SENT_AGAIN = "busy-signal-sent-again"
 
 # Export runs that recorded this wait a moment (a timer) before they continue as new, and check again: Temporal's
 # cancel that reached the run in one workflow task with signals was applied after the first check, and lost with
-# the run. Only runs that accept the cancel Update continue as new (0.3.0 ships it understood).
+# the run. Only runs that accept the cancel Update continue as new (0.3.0 ships it understood, and activates it
+# early with CANCEL_UPDATE).
 CANCEL_BEFORE_CONTINUING_AS_NEW = "cancel-before-continuing-as-new"
 
 # Written on new runs by this release.
@@ -68,10 +69,17 @@ def activates(request: PatchActivationInput) -> bool:
     return request.patch_id in ACTIVE
 
 
+# Patches whose branch only runs that took another patch's branch reach: activated early with that one, since
+# they add no run that a rollback must drain first.
+_WITHIN = {CANCEL_UPDATE: frozenset({CANCEL_BEFORE_CONTINUING_AS_NEW})}
+
+
 def activation(early: frozenset[str] = frozenset()) -> Callable[[PatchActivationInput], bool]:
     """`activates`, and also the patches of UNDERSTOOD an operator chose to activate early (EXPORTS_EARLY_PATCHES),
-    accepting that a rollback to the previous release drains the runs that recorded them first."""
+    accepting that a rollback to the previous release drains the runs that recorded them first, with the patches
+    within them."""
     chosen = early & UNDERSTOOD
+    chosen |= {within for patch in chosen for within in _WITHIN.get(patch, ())}
 
     def activates_early(request: PatchActivationInput) -> bool:
         return activates(request) or request.patch_id in chosen

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -14,7 +15,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHandle, WorkflowHistory
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
-from temporalio.worker import Worker
+from temporalio.worker import PatchActivationInput, Worker
 
 from activities.contracts import (
     Admission,
@@ -118,9 +119,19 @@ class CancelBeforeTheRow:
     first_run: WorkflowHistory
 
 
-async def temporal_cancel_before_the_row(client: Client, *, early: frozenset[str] = frozenset(),
-                                        cancel_comes: str = "apart") -> CancelBeforeTheRow:
-    """A run that takes the cancel Update (its patch activated, and `early` beside it) whose first claim failed, so
+WITH_CANCEL_UPDATE = patches.activation(frozenset({patches.CANCEL_UPDATE}))
+
+
+def cancel_update_alone(request: PatchActivationInput) -> bool:
+    """What a worker activated before `cancel-before-continuing-as-new` came with `cancel-update`."""
+    return patches.activates(request) or request.patch_id == patches.CANCEL_UPDATE
+
+
+async def temporal_cancel_before_the_row(
+        client: Client, *, cancel_comes: str = "apart",
+        activates: Callable[[PatchActivationInput], bool] = WITH_CANCEL_UPDATE,
+) -> CancelBeforeTheRow:
+    """A run that takes the cancel Update (the worker `activates` its patch) whose first claim failed, so
     it has never read its row, is cancelled through Temporal; junk signals make Temporal suggest continuing as new
     (the server the caller connected to suggests it early), and only then does the claim read the row.
 
@@ -185,7 +196,7 @@ async def temporal_cancel_before_the_row(client: Client, *, early: frozenset[str
 
     def workflow_worker() -> Worker:
         return Worker(client, task_queue=queue, workflows=[ExportWorkflow], activities=[record_cancellations],
-                      patch_activation_callback=patches.activation(early | {patches.CANCEL_UPDATE}))
+                      patch_activation_callback=activates)
 
     async with Worker(client, task_queue=admission_queue(queue), activities=[claim_if_allowed]):
         async with workflow_worker():

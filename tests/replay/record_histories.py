@@ -401,7 +401,6 @@ async def test_export_cancel_before_continuing_as_new(tmp_path):
     with the signals that make Temporal suggest continuing as new; the run pauses, sees the cancel, records it once
     its row is read, then pauses again and continues as new. Its steps are stand-ins."""
     async with own_server(tmp_path, {"limit.historyCount.suggestContinueAsNew": 20}) as client:
-        run = await temporal_cancel_before_the_row(
-            client, early=frozenset({patches.CANCEL_BEFORE_CONTINUING_AS_NEW}), cancel_comes="with-signals")
+        run = await temporal_cancel_before_the_row(client, cancel_comes="with-signals")
     assert run.marked and run.recorded == ["temporal-cancel"], (run.recorded, run.runs)
     save(VERSION, "export_cancel_before_continuing_as_new", run.first_run)

@@ -333,6 +333,15 @@ async def test_a_waiting_run_flooded_with_signals_continues_as_new_and_never_rea
                 await latest.terminate("test over")
 
 
+def test_the_patch_reached_only_within_the_cancel_update_is_activated_early_with_it():
+    """`cancel-before-continuing-as-new` is reached only by runs that took `cancel-update`: a worker that turns
+    that one on early takes the other with it, and neither without it."""
+    assert patches.activation(frozenset({EARLY}))(_asking(patches.CANCEL_BEFORE_CONTINUING_AS_NEW))
+    alone = patches.activation(frozenset({patches.CANCEL_BEFORE_CONTINUING_AS_NEW}))
+    assert alone(_asking(patches.CANCEL_BEFORE_CONTINUING_AS_NEW)) and not alone(_asking(EARLY))
+    assert not patches.activation()(_asking(patches.CANCEL_BEFORE_CONTINUING_AS_NEW))
+
+
 def test_early_patches_are_only_those_this_release_understands_and_a_wrong_name_is_one_line():
     assert Settings(_env_file=None).early_patch_ids == frozenset()
     assert Settings(_env_file=None, early_patches=f" {EARLY} ,").early_patch_ids == {EARLY}
