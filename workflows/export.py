@@ -445,8 +445,8 @@ class ExportWorkflow:
             if workflow.patched(patches.CANCEL_BEFORE_CONTINUING_AS_NEW):
                 # The SDK runs a task's signal handlers, and checks wait conditions, before it applies the same
                 # task's cancel of the run; the check above may thus come before Temporal's cancel is known. A
-                # timer's fire is applied with the cancel, and a condition is checked only once every job applied
-                # has run: the second check sees the cancel, whichever task brings it.
+                # timer's end is applied with the cancel, not before it, and a condition is checked only once every
+                # job applied has run: the second check sees the cancel, whichever task brings it.
                 await workflow.sleep(_BEFORE_CONTINUING_AS_NEW)
                 await workflow.wait_condition(lambda: True)
                 if not self._may_continue_as_new():

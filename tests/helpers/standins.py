@@ -184,7 +184,7 @@ async def temporal_cancel_before_the_row(
         except AssertionError:
             pass
         runs = len([w async for w in client.list_workflows(f"WorkflowId = '{handle.id}'")])
-        with contextlib.suppress(RPCError):  # ended already: the run took the cancel for the workflow's own
+        with contextlib.suppress(RPCError):  # closed already: the run ended Canceled, as a workflow, unrecorded
             await handle.terminate("test over")
         history = await first.fetch_history()
         marked = any(event.event_type == EventType.EVENT_TYPE_MARKER_RECORDED
@@ -230,7 +230,7 @@ async def temporal_cancel_before_the_row(
         async with workflow_worker():
             taken = await wake_once_taken(handle)
         assert await _one_task_with_the_cancel(first, *brought_with_the_cancel), \
-            f"the cancel and {cancel_comes[5:]} did not reach the run in one workflow task"
+            f"the cancel and {cancel_comes.removeprefix('with-').replace('-', ' ')} did not reach the run in one task"
         return taken
 
 
