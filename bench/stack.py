@@ -28,6 +28,8 @@ from store.settings import Settings, as_env
 
 ROOT = Path(__file__).resolve().parents[1]
 _RUN_FOLDER: Path | None = None
+# Alembic's migration context is the process's own: measures that run at once (a smoke run) migrate in turn.
+_ONE_MIGRATION_AT_ONCE = asyncio.Lock()
 
 
 def bench_folder(name: str) -> Path:
@@ -47,7 +49,8 @@ async def postgres_only(name: str) -> AsyncIterator[tuple[Path, LocalPostgres]]:
     postgres = LocalPostgres(folder / "data")
     postgres.start()
     try:
-        await migrate(postgres.url("owner"))
+        async with _ONE_MIGRATION_AT_ONCE:
+            await migrate(postgres.url("owner"))
         yield folder, postgres
     finally:
         postgres.stop()
