@@ -335,7 +335,8 @@ async def test_a_waiting_run_flooded_with_signals_continues_as_new_and_never_rea
 
 def test_the_patch_reached_only_within_the_cancel_update_is_activated_early_with_it():
     """`cancel-before-continuing-as-new` is reached only by runs that took `cancel-update`: a worker that turns
-    that one on early takes the other with it, and neither without it."""
+    that one on early takes the other with it; the other alone does not bring `cancel-update`; by default,
+    neither."""
     assert patches.activation(frozenset({EARLY}))(_asking(patches.CANCEL_BEFORE_CONTINUING_AS_NEW))
     alone = patches.activation(frozenset({patches.CANCEL_BEFORE_CONTINUING_AS_NEW}))
     assert alone(_asking(patches.CANCEL_BEFORE_CONTINUING_AS_NEW)) and not alone(_asking(EARLY))
