@@ -433,25 +433,38 @@ class ExportWorkflow:
         here, continuing as new, once Temporal suggests it (history long) and no request or handler is in flight:
         nothing of an attempt is open at this point, and the row holds all the next run needs. A fresh run also
         takes signals again after a flood filled this one's quota."""
+        recheck_at = workflow.now() + self._state.idle_recheck
+        timeout = self._state.idle_recheck
         while True:
             timed_out = False
             try:
                 await workflow.wait_condition(lambda: self._state.woken or self._may_continue_as_new(),
-                                              timeout=self._state.idle_recheck)
+                                              timeout=timeout)
             except builtins.TimeoutError:
                 timed_out = True
             if not self._may_continue_as_new():
                 return
-            if workflow.patched(patches.CANCEL_BEFORE_CONTINUING_AS_NEW):
+            if workflow.patched(patches.CANCEL_BEFORE_CONTINUING_AS_NEW) and not (
+                    self._state.paused_before_continuing
+                    and workflow.patched(patches.PAUSE_ONCE_BEFORE_CONTINUING_AS_NEW)):
                 # The SDK runs a task's signal handlers, and checks wait conditions, before it applies the same
                 # task's cancel of the run; the check above may thus come before Temporal's cancel is known. A
                 # timer's end is applied with the cancel, not before it, and a condition is checked only once every
                 # job applied has run: the second check sees the cancel, whichever task brings it.
+                # Once is enough: Temporal's suggestion, which a signal's task may bring, stays; what frees the run
+                # after that (a recording's end, a handler's answer) ends a step or a timer, applied with the cancel.
+                # Pausing again gave each pause's second a new request to end it in flight, with no end.
                 await workflow.sleep(_BEFORE_CONTINUING_AS_NEW)
                 await workflow.wait_condition(lambda: True)
+                self._state.paused_before_continuing = True
                 if not self._may_continue_as_new():
                     if timed_out or self._state.woken:
                         return
+                    if workflow.patched(patches.PAUSE_ONCE_BEFORE_CONTINUING_AS_NEW):
+                        # The pause does not put the idle recheck off: what is left of it, if anything.
+                        timeout = recheck_at - workflow.now()
+                        if timeout <= timedelta(0):
+                            return
                     continue
             workflow.logger.info("export %s continues as new after %d events", self._job_id,
                                  workflow.info().get_current_history_length())

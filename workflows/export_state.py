@@ -56,6 +56,9 @@ class RunState:
         # Running row again unmarked.
         self.cutoff_2_given_up: uuid.UUID | None = None
         self.idle_recheck = IDLE_RECHECK
+        # The run has paused once before continuing as new (`_wait_for_wake`): the suggestion is then known, and
+        # what makes the run free to continue later ends a step or a timer, applied with any cancel of that task.
+        self.paused_before_continuing = False
         self.why = ""  # how the last step ended, for the UI
 
 

@@ -55,12 +55,19 @@ BUSY_SIGNAL_SENT_AGAIN = "busy-signal-sent-again"
 # the run. Only runs that accept the cancel Update continue as new (0.3.0 ships it understood, and activates it
 # early with CANCEL_UPDATE).
 CANCEL_BEFORE_CONTINUING_AS_NEW = "cancel-before-continuing-as-new"
+# Export runs that recorded this pause before continuing as new once only, and wait out what is left of the idle
+# recheck, not all of it again, after a pause that ended with work in flight. Runs with the pause alone paused at
+# every chance: a trickle of cancels, one in flight at the end of each pause, kept the run from ever continuing as
+# new until the server's cap on its history ended it, and kept its row from being read again (0.3.0 ships it
+# understood, and activates it early with CANCEL_UPDATE).
+PAUSE_ONCE_BEFORE_CONTINUING_AS_NEW = "pause-once-before-continuing-as-new"
 
 # Written on new runs by this release.
 ACTIVE = frozenset({ROW_FROM_DELIVERY, WAKE_AFTER_SETTLED, POLICY_AND_CLAIM, BUSY_CANCEL_RETRY, RECOVERY_ROUNDS})
 # Replayed where a history recorded them, never written: the next release activates them.
 UNDERSTOOD: frozenset[str] = frozenset({CANCEL_UPDATE, CANCELED_WHILE_CLAIMING, TEMPORAL_CANCEL_UNTIL_RECORDED,
-                                        BUSY_SIGNAL_SENT_AGAIN, CANCEL_BEFORE_CONTINUING_AS_NEW})
+                                        BUSY_SIGNAL_SENT_AGAIN, CANCEL_BEFORE_CONTINUING_AS_NEW,
+                                        PAUSE_ONCE_BEFORE_CONTINUING_AS_NEW})
 
 
 def activates(request: PatchActivationInput) -> bool:
@@ -71,7 +78,7 @@ def activates(request: PatchActivationInput) -> bool:
 
 # Patches whose branch only runs that took another patch's branch reach: activated early with that one, since
 # they add no run that a rollback must drain first.
-_WITHIN = {CANCEL_UPDATE: frozenset({CANCEL_BEFORE_CONTINUING_AS_NEW})}
+_WITHIN = {CANCEL_UPDATE: frozenset({CANCEL_BEFORE_CONTINUING_AS_NEW, PAUSE_ONCE_BEFORE_CONTINUING_AS_NEW})}
 
 
 def activation(early: frozenset[str] = frozenset()) -> Callable[[PatchActivationInput], bool]:

@@ -127,6 +127,13 @@ def cancel_update_alone(request: PatchActivationInput) -> bool:
     return patches.activates(request) or request.patch_id == patches.CANCEL_UPDATE
 
 
+def pause_at_every_chance(request: PatchActivationInput) -> bool:
+    """What a worker activated before `pause-once-before-continuing-as-new` came with `cancel-update`: the pause
+    before each chance to continue as new."""
+    return patches.activates(request) or request.patch_id in (patches.CANCEL_UPDATE,
+                                                              patches.CANCEL_BEFORE_CONTINUING_AS_NEW)
+
+
 async def temporal_cancel_before_the_row(
         client: Client, *, cancel_comes: str = "apart",
         activates: Callable[[PatchActivationInput], bool] = WITH_CANCEL_UPDATE,

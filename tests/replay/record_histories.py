@@ -14,6 +14,7 @@ import uuid
 from contextlib import AsyncExitStack
 
 import pytest
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
@@ -50,7 +51,11 @@ from tests.helpers.harness import (
 )
 from tests.helpers.own_temporal import own_server
 from tests.helpers.releases import current_version, is_released
-from tests.helpers.standins import temporal_cancel_before_the_row, woken_while_recording_a_cancel
+from tests.helpers.standins import (
+    pause_at_every_chance,
+    temporal_cancel_before_the_row,
+    woken_while_recording_a_cancel,
+)
 from tests.helpers.support import eventually, lock_row, unlock_row
 from tests.replay.history_files import save
 from worker import running_worker
@@ -397,10 +402,28 @@ async def test_export_woken_while_recording_a_cancel(client: Client):
 
 
 async def test_export_cancel_before_continuing_as_new(tmp_path):
-    """The cancel-before-continuing-as-new branch: Temporal's cancel reaches a run whose claim failed in one task
-    with the signals that make Temporal suggest continuing as new; the run pauses, sees the cancel, records it once
-    its row is read, then pauses again and continues as new. Its steps are stand-ins."""
+    """The cancel-before-continuing-as-new branch, without pause-once-before-continuing-as-new: Temporal's cancel
+    reaches a run whose claim failed in one task with the signals that make Temporal suggest continuing as new; the
+    run pauses, sees the cancel, records it once its row is read, then pauses again and continues as new. Its steps
+    are stand-ins."""
+    async with own_server(tmp_path, {"limit.historyCount.suggestContinueAsNew": 20}) as client:
+        run = await temporal_cancel_before_the_row(client, cancel_comes="with-signals",
+                                                   activates=pause_at_every_chance)
+    assert run.marked and run.recorded == ["temporal-cancel"], (run.recorded, run.runs)
+    save(VERSION, "export_cancel_before_continuing_as_new", run.first_run)
+
+
+async def test_export_pause_once_before_continuing_as_new(tmp_path):
+    """The pause-once-before-continuing-as-new branch: the same run pauses once, sees the cancel, waits what is
+    left of its idle recheck, records the cancel once its row is read, and then continues as new with no second
+    pause. Its steps are stand-ins."""
     async with own_server(tmp_path, {"limit.historyCount.suggestContinueAsNew": 20}) as client:
         run = await temporal_cancel_before_the_row(client, cancel_comes="with-signals")
     assert run.marked and run.recorded == ["temporal-cancel"], (run.recorded, run.runs)
-    save(VERSION, "export_cancel_before_continuing_as_new", run.first_run)
+    pauses = [e for e in run.first_run.events if e.event_type == EventType.EVENT_TYPE_TIMER_STARTED
+              and e.timer_started_event_attributes.start_to_fire_timeout.ToSeconds() == 1]
+    assert len(pauses) == 1, len(pauses)
+    assert any(e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED
+               and patches.PAUSE_ONCE_BEFORE_CONTINUING_AS_NEW.encode() in e.SerializeToString()
+               for e in run.first_run.events)
+    save(VERSION, "export_pause_once_before_continuing_as_new", run.first_run)

@@ -335,14 +335,16 @@ async def test_a_waiting_run_flooded_with_signals_continues_as_new_and_never_rea
                 await latest.terminate("test over")
 
 
-def test_the_patch_reached_only_within_the_cancel_update_is_activated_early_with_it():
-    """`cancel-before-continuing-as-new` is reached only by runs that took `cancel-update`: a worker that turns
-    that one on early takes the other with it; the other alone does not bring `cancel-update`; by default,
-    neither."""
-    assert patches.activation(frozenset({EARLY}))(_asking(patches.CANCEL_BEFORE_CONTINUING_AS_NEW))
-    alone = patches.activation(frozenset({patches.CANCEL_BEFORE_CONTINUING_AS_NEW}))
-    assert alone(_asking(patches.CANCEL_BEFORE_CONTINUING_AS_NEW)) and not alone(_asking(EARLY))
-    assert not patches.activation()(_asking(patches.CANCEL_BEFORE_CONTINUING_AS_NEW))
+@pytest.mark.parametrize("within", [patches.CANCEL_BEFORE_CONTINUING_AS_NEW,
+                                    patches.PAUSE_ONCE_BEFORE_CONTINUING_AS_NEW])
+def test_the_patch_reached_only_within_the_cancel_update_is_activated_early_with_it(within):
+    """`cancel-before-continuing-as-new` and `pause-once-before-continuing-as-new` are reached only by runs that
+    took `cancel-update`: a worker that turns that one on early takes each with it; each alone does not bring
+    `cancel-update`; by default, neither."""
+    assert patches.activation(frozenset({EARLY}))(_asking(within))
+    alone = patches.activation(frozenset({within}))
+    assert alone(_asking(within)) and not alone(_asking(EARLY))
+    assert not patches.activation()(_asking(within))
 
 
 def test_early_patches_are_only_those_this_release_understands_and_a_wrong_name_is_one_line():
