@@ -191,10 +191,8 @@ async def temporal_cancel_before_the_row(
         with contextlib.suppress(RPCError):  # closed already: the run ended Canceled, as a workflow, unrecorded
             await handle.terminate("test over")
         history = await first.fetch_history()
-        marked = any(event.event_type == EventType.EVENT_TYPE_MARKER_RECORDED
-                     and patches.CANCEL_BEFORE_CONTINUING_AS_NEW.encode() in event.SerializeToString()
-                     for event in history.events)
-        return CancelBeforeTheRow(list(recorded), runs, marked, history)
+        return CancelBeforeTheRow(list(recorded), runs, records_patch(history, patches.CANCEL_BEFORE_CONTINUING_AS_NEW),
+                                  history)
 
     queue = f"early-cancel-{uuid.uuid4().hex[:8]}"
 
@@ -265,6 +263,19 @@ async def _recorded_or_nothing_to_record(handle: WorkflowHandle, recorded: list[
     after = kinds[read:]
     return (EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED in after
             and EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED not in after)
+
+
+def records_patch(history: WorkflowHistory, patch_id: str) -> bool:
+    """Whether the run recorded the patch's marker (took its branch)."""
+    return any(event.event_type == EventType.EVENT_TYPE_MARKER_RECORDED
+               and patch_id.encode() in event.SerializeToString() for event in history.events)
+
+
+def pauses_before_continuing(history: WorkflowHistory) -> int:
+    """How many pauses before continuing as new (`_wait_for_wake`) the run began: its timers of that length."""
+    return sum(1 for event in history.events if event.event_type == EventType.EVENT_TYPE_TIMER_STARTED
+               and event.timer_started_event_attributes.start_to_fire_timeout.ToTimedelta()
+               == _BEFORE_CONTINUING_AS_NEW)
 
 
 async def _events(handle: WorkflowHandle, *kinds: int) -> int:

@@ -14,7 +14,6 @@ import uuid
 from contextlib import AsyncExitStack
 
 import pytest
-from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
@@ -53,6 +52,8 @@ from tests.helpers.own_temporal import own_server
 from tests.helpers.releases import current_version, is_released
 from tests.helpers.standins import (
     pause_at_every_chance,
+    pauses_before_continuing,
+    records_patch,
     temporal_cancel_before_the_row,
     woken_while_recording_a_cancel,
 )
@@ -420,10 +421,6 @@ async def test_export_pause_once_before_continuing_as_new(tmp_path):
     async with own_server(tmp_path, {"limit.historyCount.suggestContinueAsNew": 20}) as client:
         run = await temporal_cancel_before_the_row(client, cancel_comes="with-signals")
     assert run.marked and run.recorded == ["temporal-cancel"], (run.recorded, run.runs)
-    pauses = [e for e in run.first_run.events if e.event_type == EventType.EVENT_TYPE_TIMER_STARTED
-              and e.timer_started_event_attributes.start_to_fire_timeout.ToSeconds() == 1]
-    assert len(pauses) == 1, len(pauses)
-    assert any(e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED
-               and patches.PAUSE_ONCE_BEFORE_CONTINUING_AS_NEW.encode() in e.SerializeToString()
-               for e in run.first_run.events)
+    assert pauses_before_continuing(run.first_run) == 1, pauses_before_continuing(run.first_run)
+    assert records_patch(run.first_run, patches.PAUSE_ONCE_BEFORE_CONTINUING_AS_NEW)
     save(VERSION, "export_pause_once_before_continuing_as_new", run.first_run)

@@ -34,11 +34,11 @@ from activities.contracts import (
 )
 from store.models import CancellationOutcome, CancellationResult, JobRow, Status
 from tests.helpers.own_temporal import own_server
-from tests.helpers.standins import WITH_CANCEL_UPDATE
+from tests.helpers.standins import WITH_CANCEL_UPDATE, pauses_before_continuing, records_patch
 from tests.helpers.support import eventually
 from worker import workflow_interceptors
 from workflows import patches
-from workflows.export import _BEFORE_CONTINUING_AS_NEW, ExportWorkflow
+from workflows.export import ExportWorkflow
 from workflows.identity import admission_queue, export_workflow_id
 
 SUGGEST_AFTER = 20
@@ -51,39 +51,55 @@ TRICKLE_FOR = 40.0
 
 
 class _World:
-    def __init__(self, record_takes: float) -> None:
+    """The stand-in steps: a row held by another attempt (the run waits between attempts), each read counted, and
+    recordings that take `record_takes` seconds, then record, or fail for good (`recording_fails`)."""
+
+    def __init__(self, record_takes: float, *, idle_recheck: float | None = None,
+                 recording_fails: bool = False) -> None:
         self.job_id, self.tenant_id = uuid.uuid4(), uuid.uuid4()
         self.recorded: list[str] = []
+        self.reads: list[float] = []  # when each read of the row came
         self.record_takes = record_takes
+        self.idle_recheck = idle_recheck
+        self.recording_fails = recording_fails
 
     def activities(self):
         @activity.defn(name="claim_if_allowed")
         async def claim_if_allowed(_: AdmitInput) -> Admission:
+            self.reads.append(time.monotonic())
             # Running, held by an attempt that is not this run's (no claim): the run waits between attempts.
-            return Admission(evaluation=Evaluation(row=JobRow(
-                id=self.job_id, tenant_id=self.tenant_id, status=Status.RUNNING, version=2,
-                destination_id=uuid.uuid4(), attempt_id=uuid.uuid4(), attempt_count=1,
-                woken_at=datetime.now(UTC), delivery_key="k", created_by="tests",
-                final_name=f"contacts-{self.tenant_id}-k.csv")))
+            row = JobRow(id=self.job_id, tenant_id=self.tenant_id, status=Status.RUNNING, version=2,
+                         destination_id=uuid.uuid4(), attempt_id=uuid.uuid4(), attempt_count=1,
+                         woken_at=datetime.now(UTC), delivery_key="k", created_by="tests",
+                         final_name=f"contacts-{self.tenant_id}-k.csv")
+            if self.idle_recheck is None:
+                return Admission(evaluation=Evaluation(row=row))
+            return Admission(evaluation=Evaluation(row=row), idle_recheck_seconds=self.idle_recheck)
 
         @activity.defn(name="record_cancellations")
         async def record_cancellations(batch: CancelBatch) -> CancelBatchOutput:
             await asyncio.sleep(self.record_takes)
+            if self.recording_fails:
+                raise ApplicationError("the database refused it (a stand-in)", non_retryable=True)
             self.recorded.extend(request.requested_by for request in batch.requests)
             return CancelBatchOutput(results=[CancellationResult(
                 request_id=request.request_id, job_id=self.job_id,
                 outcome=CancellationOutcome.STOP_ALREADY_REQUESTED, found_status=Status.RUNNING)
                 for request in batch.requests])
 
-        return claim_if_allowed, record_cancellations
+        @activity.defn(name="record_cancellation")
+        async def record_cancellation(_: object) -> None:
+            raise ApplicationError("the database refused it (a stand-in)", non_retryable=True)
+
+        return claim_if_allowed, [record_cancellations, record_cancellation]
 
     @contextlib.asynccontextmanager
     async def waiting_run(self, client: Client) -> AsyncIterator[WorkflowHandle]:
         """The export's first run, on workers of its own, once it waits between attempts."""
         queue = f"pause-once-{uuid.uuid4().hex[:8]}"
-        claim, record = self.activities()
+        claim, records = self.activities()
         async with Worker(client, task_queue=admission_queue(queue), activities=[claim]), \
-                Worker(client, task_queue=queue, workflows=[ExportWorkflow], activities=[record],
+                Worker(client, task_queue=queue, workflows=[ExportWorkflow], activities=records,
                        patch_activation_callback=WITH_CANCEL_UPDATE):
             handle = await client.start_workflow(ExportWorkflow.run, ExportInput(job_id=self.job_id),
                                                  id=export_workflow_id(self.job_id), task_queue=queue,
@@ -103,9 +119,7 @@ async def _kinds(handle: WorkflowHandle) -> list[int]:
 
 
 async def _pauses_started(handle: WorkflowHandle) -> int:
-    return sum(1 for e in (await handle.fetch_history()).events
-               if e.event_type == EventType.EVENT_TYPE_TIMER_STARTED
-               and e.timer_started_event_attributes.start_to_fire_timeout.ToTimedelta() == _BEFORE_CONTINUING_AS_NEW)
+    return pauses_before_continuing(await handle.fetch_history())
 
 
 async def _status(handle: WorkflowHandle) -> str:
@@ -184,9 +198,7 @@ async def test_a_cancel_update_and_temporals_cancel_during_the_pause_are_recorde
     assert status == "CONTINUED_AS_NEW", status
     assert pauses == 1, pauses
     # The pause ended with the requests in flight: the run waited again, which records the patch's marker.
-    assert any(e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED
-               and patches.PAUSE_ONCE_BEFORE_CONTINUING_AS_NEW.encode() in e.SerializeToString()
-               for e in history.events)
+    assert records_patch(history, patches.PAUSE_ONCE_BEFORE_CONTINUING_AS_NEW)
     replayer = Replayer(workflows=[ExportWorkflow], data_converter=pydantic_data_converter,
                         interceptors=workflow_interceptors())
     await replayer.replay_workflow(history)
@@ -199,53 +211,25 @@ async def test_a_trickle_of_cancels_whose_recording_fails_does_not_put_the_row_r
     due, waited again with a fresh idle recheck, and never read its row again (nor continued as new). The row is
     read at least every two idle rechecks."""
     recheck, period, takes, trickle_for = 3.0, 0.6, 0.3, 18.0
-    job_id, tenant_id = uuid.uuid4(), uuid.uuid4()
-    reads: list[float] = []
-
-    @activity.defn(name="claim_if_allowed")
-    async def claim_if_allowed(_: AdmitInput) -> Admission:
-        reads.append(time.monotonic())
-        return Admission(idle_recheck_seconds=recheck, evaluation=Evaluation(row=JobRow(
-            id=job_id, tenant_id=tenant_id, status=Status.RUNNING, version=2, destination_id=uuid.uuid4(),
-            attempt_id=uuid.uuid4(), attempt_count=1, woken_at=datetime.now(UTC), delivery_key="k",
-            created_by="tests", final_name=f"contacts-{tenant_id}-k.csv")))
-
-    @activity.defn(name="record_cancellations")
-    async def record_cancellations(_: CancelBatch) -> CancelBatchOutput:
-        await asyncio.sleep(takes)
-        raise ApplicationError("the database refused it (a stand-in)", non_retryable=True)
-
-    @activity.defn(name="record_cancellation")
-    async def record_cancellation(_: object) -> None:
-        raise ApplicationError("the database refused it (a stand-in)", non_retryable=True)
-
-    config = {"limit.historyCount.suggestContinueAsNew": SUGGEST_AFTER}
-    async with own_server(tmp_path, config) as client:
-        queue = f"pause-once-{uuid.uuid4().hex[:8]}"
-        async with Worker(client, task_queue=admission_queue(queue), activities=[claim_if_allowed]), \
-                Worker(client, task_queue=queue, workflows=[ExportWorkflow],
-                       activities=[record_cancellations, record_cancellation],
-                       patch_activation_callback=WITH_CANCEL_UPDATE):
-            handle = await client.start_workflow(ExportWorkflow.run, ExportInput(job_id=job_id),
-                                                 id=export_workflow_id(job_id), task_queue=queue,
-                                                 result_type=ExportResult)
-            latest = client.get_workflow_handle(handle.id)
-            await eventually(lambda: asyncio.sleep(0, len(reads)), lambda n: n >= 1, timeout=30, interval=0.1,
-                             what="the first read")
-            request = {"request_id": str(uuid.uuid4()), "tenant": str(tenant_id), "operator": "ann@example.com"}
-            sent, start = 0, time.monotonic()
-            try:
-                while time.monotonic() - start < trickle_for:
-                    with contextlib.suppress(RPCError):
-                        await latest.signal("cancel", request)
-                    sent += 1
-                    await asyncio.sleep(max(0.0, start + sent * period - time.monotonic()))
-                end = time.monotonic()
-                runs = len([w async for w in client.list_workflows(f"WorkflowId = '{handle.id}'")])
-                events = len((await latest.fetch_history()).events)
-            finally:
+    world = _World(takes, idle_recheck=recheck, recording_fails=True)
+    reads = world.reads
+    async with own_server(tmp_path, {"limit.historyCount.suggestContinueAsNew": SUGGEST_AFTER}) as client, \
+            world.waiting_run(client) as first:
+        latest = client.get_workflow_handle(first.id)
+        request = world.request(uuid.uuid4())
+        sent, start = 0, time.monotonic()
+        try:
+            while time.monotonic() - start < trickle_for:
                 with contextlib.suppress(RPCError):
-                    await latest.terminate("test over")
+                    await latest.signal("cancel", request)
+                sent += 1
+                await asyncio.sleep(max(0.0, start + sent * period - time.monotonic()))
+            end = time.monotonic()
+            runs = len([w async for w in client.list_workflows(f"WorkflowId = '{first.id}'")])
+            events = len((await latest.fetch_history()).events)
+        finally:
+            with contextlib.suppress(RPCError):
+                await latest.terminate("test over")
     gaps = [b - a for a, b in zip(reads, [*reads[1:], end], strict=True)]
     assert max(gaps) <= 2 * recheck, (
         f"row read at {[round(r - start, 1) for r in reads]} s (trickle 0-{end - start:.0f} s), longest gap "
